@@ -1,0 +1,239 @@
+"""One typed config tree for every rlmtrain command.
+
+Each section is a msgspec Struct whose fields carry a default and a one-line description
+(`msgspec.Meta(description=...)`), so the same source gives validation, `rlmtrain config show`
+and the README's reference. A run file is TOML; `--section.key=value` arguments override it,
+the value parsed as a TOML literal (a bare word that is not one stays a string).
+
+Errors never surface as tracebacks: an unknown key, a wrong type, an out-of-range value or a
+missing file raises `ConfigError` with one line that names the key and the file; the CLI prints
+it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+__all__ = [
+    "AlgoConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "load_config",
+    "to_toml",
+]
+
+
+class ConfigError(ValueError):
+    """A bad run file or override; the message is one line naming the key and the file."""
+
+
+def _doc(text: str, **bounds: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **bounds)
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelConfig(_Section):
+    preset: Annotated[str, _doc("architecture preset: tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b")] = "tiny"
+    hf_dir: Annotated[str, _doc("Hugging Face checkpoint folder to load; empty = random init from the preset")] = ""
+    tokenizer: Annotated[str, _doc("'byte' for the built-in byte tokenizer, or a folder with tokenizer.json; empty = hf_dir's")] = "byte"
+    dtype: Annotated[Literal["float32", "bfloat16"], _doc("parameter and activation dtype")] = "float32"
+    attention: Annotated[Literal["auto", "flash", "flex", "sdpa"], _doc("attention backend; auto = flash-attn on CUDA when installed, else flex")] = "auto"
+    activation_checkpointing: Annotated[bool, _doc("recompute each decoder layer in backward to save memory")] = False
+    seed: Annotated[int, _doc("seed for random initialisation")] = 0
+
+
+class DataConfig(_Section):
+    env: Annotated[str, _doc("environment name from the registry: evidence, booknav, codenav")] = "evidence"
+    train_path: Annotated[str, _doc("training tasks (msgspec JSONL); empty = synthesise into run_dir/data")] = ""
+    eval_path: Annotated[str, _doc("held-out tasks (msgspec JSONL); empty = none")] = ""
+    synth_groups: Annotated[int, _doc("paper groups to synthesise when train_path is empty", ge=1)] = 8
+    seed: Annotated[int, _doc("seed for data synthesis and task order")] = 0
+
+
+class RolloutConfig(_Section):
+    engine: Annotated[Literal["native", "vllm", "sim"], _doc("inference engine")] = "native"
+    n_samples: Annotated[int, _doc("G: root trajectories sampled per task", ge=1)] = 4
+    max_turns: Annotated[int, _doc("turns per trajectory before finish_reason=max_turns", ge=1)] = 6
+    max_depth: Annotated[int, _doc("deepest recursion level; the root is depth 0", ge=0)] = 1
+    depth_limit_mode: Annotated[Literal["lm", "error"], _doc("rlm_query at max_depth: a plain LM call, or an error string")] = "lm"
+    max_children_per_call: Annotated[int, _doc("prompts allowed in one rlm_query_batched call", ge=1)] = 10
+    max_children_per_trajectory: Annotated[int, _doc("child trajectories one trajectory may spawn in all", ge=0)] = 16
+    max_new_tokens: Annotated[int, _doc("completion tokens per turn", ge=1)] = 512
+    max_prompt_tokens: Annotated[int, _doc("prompt tokens per turn before finish_reason=context", ge=16)] = 8192
+    temperature: Annotated[float, _doc("sampling temperature; log-probs are those of this distribution", gt=0)] = 1.0
+    top_p: Annotated[float, _doc("nucleus sampling mass; < 1 biases the trainer/sampler ratio", gt=0, le=1)] = 1.0
+    max_inflight_requests: Annotated[int, _doc("engine requests in flight at once", ge=1)] = 64
+    max_live_trees: Annotated[int, _doc("root trajectories running at once", ge=1)] = 32
+    max_live_workers: Annotated[int, _doc("REPL worker processes alive at once", ge=1)] = 128
+    repl_timeout_s: Annotated[float, _doc("wall-clock seconds per REPL exec, child calls not counted", gt=0)] = 30.0
+    repl_memory_mb: Annotated[int, _doc("address-space limit of a REPL worker in MiB", ge=64)] = 2048
+    output_limit_chars: Annotated[int, _doc("printed REPL output kept per exec (head and tail)", ge=64)] = 4000
+    tree_timeout_s: Annotated[float, _doc("wall-clock seconds for a whole tree before finish_reason=timeout", gt=0)] = 600.0
+    max_batch_size: Annotated[int, _doc("native engine: sequences decoded together", ge=1)] = 32
+    kv_cache_tokens: Annotated[int, _doc("native engine: KV-cache capacity in tokens", ge=64)] = 65536
+
+
+class AlgoConfig(_Section):
+    clip_low: Annotated[float, _doc("PPO clip below 1 (ratio >= 1 - clip_low)", ge=0, lt=1)] = 0.2
+    clip_high: Annotated[float, _doc("PPO clip above 1 (ratio <= 1 + clip_high)", ge=0)] = 0.28
+    dual_clip: Annotated[float, _doc("dual-clip bound c > 1 for negative advantages; 0 = off", ge=0)] = 0.0
+    kl_beta: Annotated[float, _doc("weight of the k3 KL to the reference policy; 0 = no reference model", ge=0)] = 0.0
+    tis_cap: Annotated[float, _doc("truncated importance-sampling cap on pi_old/pi_sampler; 0 = off", ge=0)] = 2.0
+    std_normalize: Annotated[bool, _doc("divide group-centred rewards by the group std")] = True
+    drop_uniform_groups: Annotated[bool, _doc("drop groups whose rewards are all equal (zero advantage)")] = True
+    token_aggregation: Annotated[Literal["token_mean", "turn_mean", "constant_sum"], _doc("how a trajectory's tokens form its loss")] = "token_mean"
+    constant_sum_divisor: Annotated[float, _doc("divisor for token_aggregation=constant_sum", gt=0)] = 1024.0
+    child_averaging: Annotated[bool, _doc("average children's losses by 1/k (the method); false = flat variant")] = True
+    micro_batch_tokens: Annotated[int, _doc("token budget of one packed micro-batch", ge=16)] = 8192
+    truncate_long_samples: Annotated[bool, _doc("truncate a sample longer than the budget instead of failing")] = False
+    exploration_beta: Annotated[float, _doc("initial weight of the exploration bonus; 0 = off", ge=0)] = 0.0
+    tool_credit_alpha: Annotated[float, _doc("alpha of turn-level tool credit; 0 = off", ge=0)] = 0.0
+
+
+class TrainConfig(_Section):
+    steps: Annotated[int, _doc("optimizer steps of the main phase", ge=0)] = 20
+    sft_steps: Annotated[int, _doc("supervised warm-up steps before RL", ge=0)] = 20
+    tasks_per_step: Annotated[int, _doc("tasks (GRPO groups) per optimizer step", ge=1)] = 4
+    lr: Annotated[float, _doc("AdamW learning rate", gt=0)] = 1e-3
+    weight_decay: Annotated[float, _doc("AdamW weight decay", ge=0)] = 0.0
+    grad_clip: Annotated[float, _doc("max global grad norm; 0 = off", ge=0)] = 1.0
+    loss_impl: Annotated[Literal["auto", "torch", "triton"], _doc("fused loss backend; auto = triton on CUDA")] = "auto"
+    device: Annotated[str, _doc("'auto', 'cpu' or 'cuda'")] = "auto"
+    seed: Annotated[int, _doc("seed for sampling and data order")] = 0
+
+
+class CheckpointConfig(_Section):
+    dir: Annotated[str, _doc("run folder for checkpoints, logs and data")] = "runs/tiny"
+    every: Annotated[int, _doc("save every N steps; 0 = only at the end", ge=0)] = 0
+    resume: Annotated[bool, _doc("resume from the newest checkpoint in dir")] = False
+
+
+class LoggingConfig(_Section):
+    level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
+    every: Annotated[int, _doc("print metrics every N steps", ge=1)] = 1
+    metrics_path: Annotated[str, _doc("JSONL file of per-step metrics; empty = run_dir/metrics.jsonl")] = ""
+
+
+class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    name: info.type for name, info in zip(Config.__struct_fields__, msgspec.structs.fields(Config), strict=True)
+}
+
+
+def _validate(raw: dict[str, Any], source: str) -> Config:
+    try:
+        return msgspec.convert(raw, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_readable(str(exc))}") from None
+
+
+def _readable(message: str) -> str:
+    """'Object contains unknown field `x` - at `$.model`' -> "unknown key 'model.x'"."""
+    text, _, where = message.partition(" - at `$")
+    where = where.rstrip("`").lstrip(".")
+    if text.startswith("Object contains unknown field"):
+        field = text.split("`")[1]
+        key = f"{where}.{field}" if where else field
+        return f"unknown key '{key}'"
+    if not where:
+        return text
+    return f"key '{where}': {text}"
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML run file (None = all defaults), apply `section.key=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    source = "command line"
+    if path is not None:
+        source = str(path)
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{source}: config file not found")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    apply_overrides(raw, overrides, source)
+    return _validate(raw, source)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "overrides") -> None:
+    """Apply `section.key=value` strings (a leading `--` is allowed) to a raw TOML dict in place."""
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        key, eq, value = text.partition("=")
+        section, dot, field = key.partition(".")
+        if not eq or not dot or not field or "." in field:
+            raise ConfigError(f"{source}: override '{item}' is not of the form --section.key=value")
+        if section not in SECTIONS:
+            raise ConfigError(f"{source}: unknown key '{key}' (no section '{section}')")
+        if field not in SECTIONS[section].__struct_fields__:
+            raise ConfigError(f"{source}: unknown key '{key}'")
+        raw.setdefault(section, {})[field] = _parse_value(value)
+
+
+def _parse_value(value: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
+
+
+def field_docs(section: type[_Section]) -> dict[str, str]:
+    """Field name -> one-line description, from the Annotated metadata."""
+    docs = {}
+    for name, hint in typing.get_type_hints(section, include_extras=True).items():
+        metas = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, msgspec.Meta)]
+        docs[name] = next((m.description for m in metas if m.description), "")
+    return docs
+
+
+def to_toml(config: Config, with_docs: bool = True) -> str:
+    """The resolved config as TOML, each key preceded by its description."""
+    lines: list[str] = []
+    for name in Config.__struct_fields__:
+        section = getattr(config, name)
+        docs = field_docs(type(section))
+        lines.append(f"[{name}]")
+        for field in section.__struct_fields__:
+            if with_docs and docs.get(field):
+                lines.append(f"# {docs[field]}")
+            lines.append(f"{field} = {_toml_value(getattr(section, field))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")

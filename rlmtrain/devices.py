@@ -1,0 +1,36 @@
+"""The one place that probes optional GPU-side dependencies.
+
+Everything that may be missing on a CPU machine (CUDA, flash-attn, vLLM, Liger) is looked up
+here once. Callers branch on these flags; an explicit request for a missing backend raises
+`BackendUnavailable` with what to install, an automatic choice falls back and logs once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+__all__ = ["HAS_CUDA", "HAS_FLASH_ATTN", "HAS_LIGER", "HAS_VLLM", "BackendUnavailable", "log_fallback_once"]
+
+log = logging.getLogger("rlmtrain")
+
+HAS_CUDA: bool = torch.cuda.is_available()
+HAS_FLASH_ATTN: bool = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None
+HAS_VLLM: bool = HAS_CUDA and importlib.util.find_spec("vllm") is not None
+HAS_LIGER: bool = importlib.util.find_spec("liger_kernel") is not None
+
+
+class BackendUnavailable(RuntimeError):
+    """An explicitly requested backend cannot run here."""
+
+
+_logged: set[str] = set()
+
+
+def log_fallback_once(key: str, message: str) -> None:
+    """Log an automatic backend fallback the first time it happens in this process."""
+    if key not in _logged:
+        _logged.add(key)
+        log.info(message)

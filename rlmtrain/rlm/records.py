@@ -1,0 +1,121 @@
+"""What a rollout leaves behind: turns, trajectories and the groups they form.
+
+These Structs are the contract between the RLM runtime, the rewards and the algorithm. Every turn
+keeps the exact token ids sent to and returned by the engine and the sampler's log-probs, so
+nothing downstream re-tokenises (re-applying a chat template per turn drifts by a token here and
+there, which is enough to break the ratio). A tree is stored flat: `RolloutGroup.trajectories`
+holds the G roots of one task and all their descendants, linked by `parent_id` / `children`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "FinishReason",
+    "RolloutGroup",
+    "ToolCall",
+    "Trajectory",
+    "Turn",
+    "read_groups",
+    "write_groups",
+]
+
+FinishReason = Literal["final", "max_turns", "context", "timeout", "error", "aborted"]
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One call of an environment tool (or builtin) made by a turn's code."""
+
+    name: str
+    args: str = ""
+    """A short repr of the arguments, for credit judges and the exploration bonus."""
+
+
+class Turn(msgspec.Struct, kw_only=True):
+    prompt_ids: list[int]
+    """Token ids of the prompt exactly as sent to the engine."""
+    completion_ids: list[int]
+    """Token ids exactly as the engine returned them."""
+    sampler_logprobs: list[float]
+    """The engine's log-prob of each completion token, len == len(completion_ids)."""
+    code: str = ""
+    """The code extracted from the completion and run in the REPL ('' if none)."""
+    output: str = ""
+    """What the code printed, after truncation; this is what the next prompt shows."""
+    error: str = ""
+    """The REPL error text of this turn ('' if it ran cleanly)."""
+    tool_calls: list[ToolCall] = []
+    started: float = 0.0
+    """Unix time the turn's engine request was issued."""
+    ended: float = 0.0
+    """Unix time the turn's REPL exec returned."""
+
+
+class Trajectory(msgspec.Struct, kw_only=True):
+    id: str
+    root_id: str
+    """Id of the root of this tree (== id for a root)."""
+    parent_id: str | None
+    depth: int
+    """0 for a root; a child is its parent's depth + 1."""
+    task_id: str
+    sample_idx: int
+    """Which of the task's G roots this tree belongs to."""
+    prompt: str
+    """The query this trajectory answers (the task query for a root, the rlm_query prompt for a child)."""
+    turns: list[Turn] = []
+    children: list[str] = []
+    """Ids of the child trajectories, in the order they were spawned."""
+    answer: str | None = None
+    finish_reason: FinishReason = "aborted"
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent_id is None
+
+
+class RolloutGroup(msgspec.Struct, kw_only=True):
+    task: Any
+    """The task record as the environment defines it (a msgspec Struct or its builtin form)."""
+    trajectories: list[Trajectory]
+
+    @property
+    def roots(self) -> list[Trajectory]:
+        return sorted((t for t in self.trajectories if t.parent_id is None), key=lambda t: t.sample_idx)
+
+    def by_id(self) -> dict[str, Trajectory]:
+        return {t.id: t for t in self.trajectories}
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(RolloutGroup)
+
+
+def write_groups(path: str | Path, groups: Iterable[RolloutGroup]) -> int:
+    """Write groups as JSON lines; returns how many were written."""
+    n = 0
+    with open(path, "wb") as f:
+        for group in groups:
+            f.write(_encoder.encode(group))
+            f.write(b"\n")
+            n += 1
+    return n
+
+
+def read_groups(path: str | Path) -> Iterator[RolloutGroup]:
+    """Read groups written by `write_groups`; a malformed line raises ValueError naming file and line."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield _decoder.decode(line)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}") from None
+            except msgspec.DecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON: {exc}") from None
