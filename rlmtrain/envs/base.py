@@ -1,0 +1,207 @@
+"""What every environment provides, how its tasks are read, and how a config names one.
+
+An environment is everything task-specific that the RLM runtime needs and nothing else: the
+system prompt (strategy + tool docs), the per-turn user message, the context object put into the
+REPL, the modules whose `TOOLS` lists are injected there, and the reward of finished trees. It
+knows no engine and no model (ARCHITECTURE.md), so the same env serves rollouts, teachers and
+evaluation.
+
+Tasks are msgspec Structs subclassing `Task` (an `id` and a `query`), one per JSONL line. A bad
+line is an error naming file, line and field, never a skipped row: a silently shorter dataset is
+a bug nobody sees.
+
+Environments are found by name (`DataConfig.env`). The built-in ones register themselves when
+their module is imported; `get_env` imports that module on first use, so importing this file
+stays cheap and an environment's heavy dependencies load only when it is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+import msgspec
+
+if TYPE_CHECKING:
+    from rlmtrain.config import Config
+    from rlmtrain.rlm.records import RolloutGroup
+
+__all__ = [
+    "Env",
+    "RewardResult",
+    "Task",
+    "TaskFormatError",
+    "available_envs",
+    "get_env",
+    "read_tasks",
+    "register_env",
+    "root_answers",
+    "write_tasks",
+]
+
+
+class Task(msgspec.Struct, kw_only=True):
+    """The fields every task has; environments subclass it with their own (gold data etc.)."""
+
+    id: str
+    query: str
+    """What the root trajectory must answer; restated in every turn's user message."""
+
+
+class RewardResult(msgspec.Struct, kw_only=True):
+    scores: list[float | None]
+    """One score per root trajectory, in `group.roots` order; None = could not be scored
+    (e.g. the judge failed), which the trainer must drop rather than read as 0."""
+    details: list[dict[str, Any]] = []
+    """Per-root diagnostics aligned with `scores` (method, precision, recall, ...); may be empty."""
+
+
+class Env:
+    """Base class of environments. Subclasses set `name` and `task_type` and override the methods.
+
+    The runtime calls, per trajectory turn: `system_prompt()` once, `user_prompt(task, turn,
+    max_turns)` every turn (rewritten, not accumulated: SPEC.md §1), `context(task)` once per
+    REPL, `tool_modules()` once per REPL zygote, and `reward(task, group)` once per finished group.
+    """
+
+    name: ClassVar[str] = ""
+    task_type: ClassVar[type[Task]] = Task
+
+    def system_prompt(self) -> str:
+        """Task strategy plus the documentation of the tools and builtins."""
+        raise NotImplementedError(f"{type(self).__name__}.system_prompt")
+
+    def user_prompt(self, task: Task, turn: int, max_turns: int) -> str:
+        """The fresh user message of turn `turn` (0-based): the query and how many turns remain."""
+        left = max_turns - turn
+        return (
+            f"Query: {task.query}\n\n"
+            f"This is turn {turn + 1} of {max_turns} ({left} left, this one included). "
+            "Answer with one ```python``` code block; end with FINAL(answer) or FINAL_VAR(name)."
+        )
+
+    def context(self, task: Task) -> Any:
+        """The object bound to `context` in the REPL (plain data: dicts, lists, strings)."""
+        raise NotImplementedError(f"{type(self).__name__}.context")
+
+    def tool_modules(self) -> list[str]:
+        """Importable module names; each defines `TOOLS`, the functions injected into the REPL.
+
+        Such modules should import only the standard library: every REPL zygote imports them.
+        """
+        return []
+
+    async def reward(self, task: Task, group: RolloutGroup) -> RewardResult:
+        """Score each root trajectory of `group` (children are never scored: SPEC.md §3)."""
+        raise NotImplementedError(f"{type(self).__name__}.reward")
+
+    def load_tasks(self, path: str | Path) -> list[Task]:
+        """All tasks of a JSONL file, as this environment's task type."""
+        return list(read_tasks(path, self.task_type))
+
+
+def root_answers(group: RolloutGroup) -> list[str | None]:
+    """The final answer of each root trajectory, in `group.roots` order (None = no answer)."""
+    return [root.answer for root in group.roots]
+
+
+# ---------------------------------------------------------------------------------------------
+# Task files
+# ---------------------------------------------------------------------------------------------
+
+
+class TaskFormatError(ValueError):
+    """A malformed task line; the message names the file, the line and the field."""
+
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def read_tasks(path: str | Path, task_type: type[T]) -> Iterator[T]:
+    """Yield one `task_type` per non-blank line of a JSONL file.
+
+    Raises FileNotFoundError for a missing file and TaskFormatError ("file:line: field `$.x`:
+    reason") for a line that is not JSON or does not match the Struct.
+    """
+    decoder = msgspec.json.Decoder(task_type)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task file not found: {path}")
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield decoder.decode(line)
+            except msgspec.ValidationError as exc:
+                raise TaskFormatError(f"{path}:{lineno}: {_name_field(str(exc))}") from None
+            except msgspec.DecodeError as exc:
+                raise TaskFormatError(f"{path}:{lineno}: not valid JSON: {exc}") from None
+
+
+def _name_field(message: str) -> str:
+    """'Expected `str`, got `int` - at `$.q`' -> 'field `$.q`: Expected `str`, got `int`'."""
+    text, sep, where = message.partition(" - at ")
+    if text.startswith("Object missing required field"):
+        return f"missing field {text.split('`')[1]!r}" + (f" in {where}" if sep else "")
+    return f"field {where}: {text}" if sep else text
+
+
+def write_tasks(path: str | Path, tasks: list[msgspec.Struct]) -> int:
+    """Write tasks as JSON lines; returns how many were written."""
+    encoder = msgspec.json.Encoder()
+    with open(path, "wb") as f:
+        for task in tasks:
+            f.write(encoder.encode(task))
+            f.write(b"\n")
+    return len(tasks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+EnvFactory = Callable[["Config | None"], Env]
+
+_REGISTRY: dict[str, EnvFactory] = {}
+
+# Built-in environments live in these modules and register on import.
+_BUILTIN_MODULES = {
+    "evidence": "rlmtrain.envs.evidence",
+    "booknav": "rlmtrain.envs.booknav",
+    "codenav": "rlmtrain.envs.codenav",
+}
+
+
+def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
+    """Decorator registering `factory(config) -> Env` under `name`; a second, different
+    registration of the same name is an error (two envs silently shadowing each other is not)."""
+
+    def decorate(factory: EnvFactory) -> EnvFactory:
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not factory:
+            same = getattr(existing, "__qualname__", None) == getattr(factory, "__qualname__", "")
+            same = same and existing.__module__ == factory.__module__
+            if not same:
+                raise ValueError(f"environment {name!r} is already registered by {existing!r}")
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorate
+
+
+def available_envs() -> list[str]:
+    """Names `get_env` accepts: those registered plus the built-in ones not imported yet."""
+    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+
+
+def get_env(name: str, config: Config | None = None) -> Env:
+    """Build the environment registered as `name` with the run's config (None = defaults)."""
+    if name not in _REGISTRY and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(f"unknown environment {name!r}; known: {', '.join(available_envs())}")
+    return factory(config)
