@@ -237,3 +237,16 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def reference_markdown() -> str:
+    """The config reference table printed in README.md (a test keeps the two in sync)."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    defaults = Config()
+    for name in Config.__struct_fields__:
+        section = getattr(defaults, name)
+        docs = field_docs(type(section))
+        for field in section.__struct_fields__:
+            value = _toml_value(getattr(section, field))
+            lines.append(f"| `{name}.{field}` | `{value}` | {docs[field]} |")
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""Config loading, overrides and the CLI's one-line errors (exit code 2), through a real subprocess."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from rlmtrain.config import Config, ConfigError, load_config, to_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlmtrain.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+
+
+@pytest.fixture
+def run_file(tmp_path):
+    def write(text: str) -> Path:
+        path = tmp_path / "run.toml"
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def test_defaults_and_overrides_convert_types(run_file):
+    path = run_file('[train]\nlr = 3e-4\n[model]\npreset = "qwen3-4b"\n')
+    cfg = load_config(path, ["--train.steps=7", "--algo.std_normalize=false", "--model.preset=tiny", "--checkpoint.dir=out/x"])
+    assert cfg.train.lr == 3e-4
+    assert cfg.train.steps == 7
+    assert cfg.algo.std_normalize is False
+    assert cfg.model.preset == "tiny"
+    assert cfg.checkpoint.dir == "out/x"
+    assert cfg.rollout == Config().rollout
+
+
+def test_show_output_round_trips(run_file):
+    cfg = load_config(None, ["--rollout.temperature=0.7", "--data.env=booknav"])
+    again = load_config(run_file(to_toml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "named"),
+    [
+        ("[model]\nfoo = 1\n", [], "model.foo"),
+        ("[nosuch]\nx = 1\n", [], "nosuch"),
+        ('[train]\nsteps = "ten"\n', [], "train.steps"),
+        ("[algo]\nclip_low = 1.5\n", [], "algo.clip_low"),
+        ('[model]\ndtype = "float8"\n', [], "model.dtype"),
+        ("", ["--rollout.max_turns=0"], "rollout.max_turns"),
+        ("", ["--train.nosuch=1"], "train.nosuch"),
+        ("", ["--train.lr=fast"], "train.lr"),
+    ],
+)
+def test_bad_input_names_the_key(run_file, text, overrides, named):
+    path = run_file(text)
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(path, overrides)
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "named"),
+    [
+        ("[model]\nfoo = 1\n", [], "unknown key 'model.foo'"),
+        ('[train]\nsteps = "ten"\n', [], "key 'train.steps'"),
+        ("[algo]\nclip_low = -0.1\n", [], "key 'algo.clip_low'"),
+        ("", ["--rollout.n_samples=0"], "key 'rollout.n_samples'"),
+        ("[model\n", [], "not valid TOML"),
+    ],
+)
+def test_cli_exits_2_with_one_line(run_file, text, overrides, named):
+    path = run_file(text)
+    result = run_cli("config", "show", "--config", str(path), *overrides)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert named in lines[0]
+    assert str(path) in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_missing_file():
+    result = run_cli("config", "show", "--config", "no/such/file.toml")
+    assert result.returncode == 2
+    assert "no/such/file.toml" in result.stderr
+    assert "not found" in result.stderr
+
+
+def test_cli_show_prints_resolved_toml():
+    result = run_cli("config", "show", "--config", "configs/tiny-cpu.toml", "--train.steps=3")
+    assert result.returncode == 0, result.stderr
+    parsed = tomllib.loads(result.stdout)
+    assert parsed["train"]["steps"] == 3
+    assert set(parsed) == set(Config.__struct_fields__)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    load_config(path)

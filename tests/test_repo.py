@@ -1,0 +1,40 @@
+"""The repository's promises: README's two commands, CI running the same test command, the reference."""
+
+import re
+import subprocess
+from pathlib import Path
+
+from rlmtrain.config import reference_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _setup_commands() -> list[str]:
+    block = README.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```(?:bash|sh)\n(.*?)\n```", block, flags=re.S)
+
+
+def test_readme_has_exactly_two_setup_commands():
+    commands = _setup_commands()
+    assert len(commands) == 2
+    assert all("\n" not in c.strip() for c in commands), "each set-up command is one line"
+    assert "configs/tiny-cpu.toml" in commands[0]
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert _setup_commands()[1].strip() in ci.splitlines()
+
+
+def test_readme_config_reference_is_current():
+    assert reference_markdown() in README, "regenerate with: python -c 'from rlmtrain.config import reference_markdown as r; print(r())'"
+
+
+def test_top_level_layout():
+    allowed = {"csrc", "rlmtrain", "kernels", "bench", "tests", "configs", "pyproject.toml", "README.md", ".ci"}
+    tool_files = {".gitignore", "conftest.py"}
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    top = {line.split("/", 1)[0] for line in listed.splitlines()}
+    assert top - allowed - tool_files == set(), "unexpected top-level entries"
