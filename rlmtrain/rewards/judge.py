@@ -1,0 +1,105 @@
+"""The rubric LLM judge of evidence answers (SPEC §3, seed 000).
+
+The judge model sees the query, the ground-truth evidence and the prediction, and must reply with
+one JSON object `{"precision": 1-10, "recall": 1-10, "reason": "..."}`: precision = how much of
+the prediction is evidence for the query, recall = how much of the evidence it covers. The score
+is (precision - 1 + recall - 1) / 18, so the rubric's floor maps to 0 and its ceiling to 1 (the
+peer system's (P + R) / 20 could never reach 0). A reply outside the schema is retried, not
+clamped.
+
+When no reply can be had (see `chat_client` for the retry contract) the sample is not silently 0:
+with `on_unscored="span_f1"` it gets the verifiable span F1 against the same evidence and says so
+in `method`; with `on_unscored="drop"` its score is None and the trainer drops it from its group.
+A root with no final answer is a real 0 (`method="no_answer"`) and costs no request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Literal
+
+import msgspec
+
+from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored
+from rlmtrain.rewards.span_f1 import span_f1
+
+__all__ = ["RUBRIC_SYSTEM_PROMPT", "JudgeScore", "RubricJudge", "RubricReply", "rubric_messages"]
+
+RUBRIC_SYSTEM_PROMPT = """\
+You grade answers that quote evidence passages for a query.
+You are given the query, the ground-truth evidence and the predicted evidence.
+Rate on two integer scales from 1 (worst) to 10 (best):
+- precision: how much of the prediction is relevant evidence for the query (10 = nothing extra);
+- recall: how much of the ground-truth evidence the prediction contains (10 = all of it).
+Reply with exactly one JSON object and nothing else:
+{"precision": <1-10>, "recall": <1-10>, "reason": "<one sentence>"}"""
+
+Rating = Annotated[int, msgspec.Meta(ge=1, le=10)]
+
+
+class RubricReply(msgspec.Struct, kw_only=True):
+    precision: Rating
+    recall: Rating
+    reason: str = ""
+
+
+class JudgeScore(msgspec.Struct, kw_only=True):
+    score: float | None
+    """In [0, 1]; None only with on_unscored='drop' when the judge failed."""
+    method: Literal["judge", "span_f1", "no_answer", "unscored"]
+    """Where the score came from."""
+    precision: int | None = None
+    recall: int | None = None
+    reason: str = ""
+    """The judge's reason, or why it could not score."""
+
+
+def rubric_messages(query: str, truth: str | list[str], prediction: str) -> list[dict[str, str]]:
+    evidence = truth if isinstance(truth, str) else "\n---\n".join(truth)
+    user = (
+        f"Query:\n{query}\n\nGround-truth evidence:\n{evidence}\n\n"
+        f"Predicted evidence:\n{prediction}"
+    )
+    return [
+        {"role": "system", "content": RUBRIC_SYSTEM_PROMPT},
+        {"role": "user", "content": user},
+    ]
+
+
+class RubricJudge:
+    """Scores predictions against ground-truth evidence with a rubric LLM judge."""
+
+    def __init__(self, config: JudgeConfig, client: ChatClient | None = None):
+        self.config = config
+        self.client = client if client is not None else ChatClient(config)
+
+    async def score(self, query: str, truth: str | list[str], prediction: str | None) -> JudgeScore:
+        if prediction is None or not prediction.strip():
+            return JudgeScore(score=0.0, method="no_answer", reason="no final answer")
+        reply = await self.client.complete_json(
+            rubric_messages(query, truth, prediction), RubricReply
+        )
+        if isinstance(reply, Unscored):
+            return self._unscored(truth, prediction, reply.reason)
+        return JudgeScore(
+            score=(reply.precision - 1 + reply.recall - 1) / 18,
+            method="judge",
+            precision=reply.precision,
+            recall=reply.recall,
+            reason=reply.reason,
+        )
+
+    async def score_many(
+        self, query: str, truth: str | list[str], predictions: list[str | None]
+    ) -> list[JudgeScore]:
+        """Score a group's predictions concurrently (the client bounds requests in flight)."""
+        return list(await asyncio.gather(*(self.score(query, truth, p) for p in predictions)))
+
+    def _unscored(self, truth: str | list[str], prediction: str, why: str) -> JudgeScore:
+        if self.config.on_unscored == "span_f1":
+            return JudgeScore(
+                score=span_f1(prediction, truth),
+                method="span_f1",
+                reason=f"judge unavailable, span F1 used: {why}",
+            )
+        return JudgeScore(score=None, method="unscored", reason=why)

@@ -1,0 +1,286 @@
+"""RubricJudge and its chat client against a real HTTP server on 127.0.0.1.
+
+The server reads a `case:<name>` marker from the query and plays that case: a good reply, a
+malformed one, a slow one, a 429 with Retry-After, a 500, a 400, a chunked body. It records every
+request it sees, so retries and cache hits are asserted by counting what reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored, post_json
+from rlmtrain.rewards.judge import RubricJudge, RubricReply
+from rlmtrain.rewards.span_f1 import span_f1
+
+GOOD = {"precision": 8, "recall": 6, "reason": "mostly right"}
+GOOD_SCORE = (8 - 1 + 6 - 1) / 18
+
+
+class JudgeServer:
+    """A scripted OpenAI-compatible endpoint; `seen[case]` lists arrival times per case."""
+
+    def __init__(self):
+        self.seen: dict[str, list[float]] = defaultdict(list)
+        self.bodies: list[dict] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.bodies.append({"path": self.path, "auth": self.headers.get("Authorization")})
+                text = body["messages"][-1]["content"]
+                case = re.search(r"case:(\w+)", text).group(1)
+                server.seen[case].append(time.monotonic())
+                server.play(self, case, len(server.seen[case]))
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+
+    def count(self, case: str) -> int:
+        return len(self.seen[case])
+
+    def play(self, handler: BaseHTTPRequestHandler, case: str, nth: int) -> None:
+        if case == "good":
+            return self.reply(handler, 200, completion(json.dumps(GOOD)))
+        if case == "fenced":
+            return self.reply(handler, 200, completion(f"Sure:\n```json\n{json.dumps(GOOD)}\n```"))
+        if case == "malformed_once":
+            content = "I think it is good" if nth == 1 else json.dumps(GOOD)
+            return self.reply(handler, 200, completion(content))
+        if case == "out_of_range":
+            return self.reply(handler, 200, completion('{"precision": 11, "recall": 3}'))
+        if case == "slow_once":
+            if nth == 1:
+                time.sleep(1.0)
+            return self.reply(handler, 200, completion(json.dumps(GOOD)))
+        if case == "throttled_once":
+            if nth == 1:
+                return self.reply(handler, 429, b'{"error": "slow down"}', {"Retry-After": "1"})
+            return self.reply(handler, 200, completion(json.dumps(GOOD)))
+        if case == "error_once":
+            if nth == 1:
+                return self.reply(handler, 500, b'{"error": "boom"}')
+            return self.reply(handler, 200, completion(json.dumps(GOOD)))
+        if case == "error_always":
+            return self.reply(handler, 500, b'{"error": "boom"}')
+        if case == "bad_request":
+            return self.reply(handler, 400, b'{"error": "bad model"}')
+        if case == "chunked":
+            return self.reply_chunked(handler, completion(json.dumps(GOOD)))
+        raise AssertionError(f"unknown case {case}")
+
+    @staticmethod
+    def reply(handler, status: int, payload: bytes, headers: dict | None = None) -> None:
+        try:
+            handler.send_response(status)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(payload)))
+            for k, v in (headers or {}).items():
+                handler.send_header(k, v)
+            handler.end_headers()
+            handler.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client timed out and left
+
+    @staticmethod
+    def reply_chunked(handler, payload: bytes) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        for i in range(0, len(payload), 7):
+            piece = payload[i : i + 7]
+            handler.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        handler.wfile.write(b"0\r\n\r\n")
+
+
+def completion(content: str) -> bytes:
+    return json.dumps({"choices": [{"index": 0, "message": {"content": content}}]}).encode()
+
+
+@pytest.fixture
+def server():
+    s = JudgeServer()
+    s.thread.start()
+    yield s
+    s.httpd.shutdown()
+    s.httpd.server_close()
+
+
+def make_judge(server: JudgeServer, **overrides) -> RubricJudge:
+    settings = dict(
+        base_url=server.url,
+        model="test-judge",
+        timeout_s=0.4,
+        max_retries=2,
+        backoff_base_s=0.01,
+        backoff_max_s=2.0,
+    )
+    settings.update(overrides)
+    return RubricJudge(JudgeConfig(**settings))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+TRUTH = "the mitochondria is the powerhouse of the cell"
+
+
+def test_good_reply_is_scored_from_the_rubric(server):
+    judge = make_judge(server)
+    result = run(judge.score("case:good what powers the cell?", TRUTH, "mitochondria"))
+    assert result.method == "judge"
+    assert result.score == pytest.approx(GOOD_SCORE)
+    assert (result.precision, result.recall, result.reason) == (8, 6, "mostly right")
+    assert server.count("good") == 1
+    assert server.bodies[0]["path"] == "/v1/chat/completions"
+    assert judge.client.stats.requests == 1 and judge.client.stats.retries == 0
+
+
+def test_reply_inside_code_fence_and_chunked_body_are_read(server):
+    judge = make_judge(server)
+    fenced = run(judge.score("case:fenced q", TRUTH, "x"))
+    chunked = run(judge.score("case:chunked q", TRUTH, "x"))
+    assert fenced.score == pytest.approx(GOOD_SCORE)
+    assert chunked.score == pytest.approx(GOOD_SCORE)
+
+
+def test_repeat_is_a_cache_hit_without_a_request(server):
+    judge = make_judge(server)
+    first = run(judge.score("case:good q", TRUTH, "mitochondria"))
+    second = run(judge.score("case:good q", TRUTH, "mitochondria"))
+    other = run(judge.score("case:good q", TRUTH, "ribosome"))
+    assert first == second and other.score == pytest.approx(GOOD_SCORE)
+    assert server.count("good") == 2
+    assert judge.client.stats.cache_hits == 1
+
+
+def test_disk_cache_survives_a_new_client(server, tmp_path):
+    path = tmp_path / "judge_cache.jsonl"
+    run(make_judge(server, cache_path=str(path)).score("case:good q", TRUTH, "p"))
+    again = make_judge(server, cache_path=str(path))
+    result = run(again.score("case:good q", TRUTH, "p"))
+    assert result.score == pytest.approx(GOOD_SCORE)
+    assert server.count("good") == 1
+    assert again.client.stats.cache_hits == 1 and again.client.stats.requests == 0
+    path.write_text("not json\n")
+    with pytest.raises(ValueError, match=r"judge_cache.jsonl:1"):
+        make_judge(server, cache_path=str(path))
+
+
+def test_malformed_reply_is_retried(server):
+    judge = make_judge(server)
+    result = run(judge.score("case:malformed_once q", TRUTH, "p"))
+    assert result.method == "judge" and result.score == pytest.approx(GOOD_SCORE)
+    assert server.count("malformed_once") == 2
+    assert judge.client.stats.retries == 1
+
+
+def test_out_of_range_reply_exhausts_retries_then_falls_back_to_span_f1(server):
+    judge = make_judge(server)
+    prediction = "mitochondria is the powerhouse"
+    result = run(judge.score("case:out_of_range q", TRUTH, prediction))
+    assert server.count("out_of_range") == 3  # 1 + max_retries
+    assert result.method == "span_f1"
+    assert result.score == pytest.approx(span_f1(prediction, TRUTH))
+    assert "precision" in result.reason  # msgspec's message names the bad field
+    stats = judge.client.stats
+    assert (stats.requests, stats.retries, stats.failures) == (3, 2, 1)
+
+
+def test_slow_reply_times_out_and_is_retried(server):
+    judge = make_judge(server)
+    result = run(judge.score("case:slow_once q", TRUTH, "p"))
+    assert result.method == "judge"
+    assert server.count("slow_once") == 2
+    assert judge.client.stats.timeouts == 1 and judge.client.stats.retries == 1
+
+
+def test_429_waits_for_retry_after(server):
+    judge = make_judge(server)
+    result = run(judge.score("case:throttled_once q", TRUTH, "p"))
+    assert result.method == "judge"
+    first, second = server.seen["throttled_once"]
+    # The backoff alone would be ~0.01 s; the server asked for 1 s.
+    assert second - first >= 0.9
+
+
+def test_500_is_retried(server):
+    judge = make_judge(server)
+    assert run(judge.score("case:error_once q", TRUTH, "p")).method == "judge"
+    assert server.count("error_once") == 2
+
+
+def test_persistent_500_is_dropped_when_configured(server):
+    judge = make_judge(server, on_unscored="drop", max_retries=1)
+    result = run(judge.score("case:error_always q", TRUTH, "p"))
+    assert result.score is None and result.method == "unscored"
+    assert "HTTP 500" in result.reason and "2 attempts" in result.reason
+    assert server.count("error_always") == 2
+
+
+def test_400_is_not_retried(server):
+    judge = make_judge(server, on_unscored="drop")
+    result = run(judge.score("case:bad_request q", TRUTH, "p"))
+    assert result.score is None and "HTTP 400" in result.reason
+    assert server.count("bad_request") == 1
+
+
+def test_missing_answer_is_zero_without_a_request(server):
+    judge = make_judge(server)
+    result = run(judge.score("case:good q", TRUTH, None))
+    assert (result.score, result.method) == (0.0, "no_answer")
+    assert server.count("good") == 0
+
+
+def test_score_many_bounds_concurrency(server):
+    judge = make_judge(server, max_concurrency=2)
+    predictions = [f"answer {i}" for i in range(6)] + [None]
+    results = run(judge.score_many("case:good q", TRUTH, predictions))
+    assert [r.method for r in results] == ["judge"] * 6 + ["no_answer"]
+    assert server.count("good") == 6
+
+
+def test_api_key_from_named_env_var(server, monkeypatch):
+    monkeypatch.setenv("RLMTRAIN_TEST_JUDGE_KEY", "sekret")
+    judge = make_judge(server, api_key_env="RLMTRAIN_TEST_JUDGE_KEY")
+    run(judge.score("case:good q", TRUTH, "p"))
+    assert server.bodies[-1]["auth"] == "Bearer sekret"
+    monkeypatch.delenv("RLMTRAIN_TEST_JUDGE_KEY")
+    with pytest.raises(ValueError, match="RLMTRAIN_TEST_JUDGE_KEY"):
+        make_judge(server, api_key_env="RLMTRAIN_TEST_JUDGE_KEY")
+
+
+def test_unreachable_server_is_unscored(server):
+    port = server.httpd.server_address[1]
+    server.httpd.shutdown()
+    server.httpd.server_close()
+    client = ChatClient(
+        JudgeConfig(base_url=f"http://127.0.0.1:{port}/v1", max_retries=1, backoff_base_s=0.01)
+    )
+    reply = run(client.complete_json([{"role": "user", "content": "x"}], RubricReply))
+    assert isinstance(reply, Unscored) and "connection error" in reply.reason
+
+
+def test_post_json_rejects_other_schemes():
+    with pytest.raises(ValueError, match="unsupported URL"):
+        run(post_json("ftp://host/x", b"{}", {}, 1.0))
