@@ -1,0 +1,292 @@
+"""Hugging Face checkpoints: `config.json` + safetensors, in Hugging Face parameter names.
+
+What we save, transformers' `from_pretrained` and vLLM load, and we load what they publish:
+- config: `model_type` "qwen3" or "llama" with the usual keys. We write RoPE as `rope_theta` +
+  `rope_scaling` (the form every published Qwen3/Llama-3 config uses and every loader reads) and
+  read both that and transformers 5's `rope_parameters`.
+- weights: `model.safetensors`, or above `max_shard_bytes` the shards
+  `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`
+  (`{"metadata": {"total_size"}, "weight_map": {name: file}}`); loading reads either.
+- names: our modules already carry Hugging Face's names under `model.` (`transformer.py`), so the
+  mapping is a prefix; with tied embeddings there is no `lm_head.weight` (a checkpoint that has
+  one anyway is accepted when it equals the embedding, as some exporters write both).
+
+Every mismatch is an error naming the tensor and the file: unknown or missing names, wrong shapes,
+unreadable files. `named_hf_tensors` / `load_hf_tensors` are the same mapping for weight sync to a
+running engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from rlmtrain.model.presets import ModelArgs, RopeScaling
+from rlmtrain.model.transformer import Transformer
+
+__all__ = [
+    "CheckpointError",
+    "args_from_hf_config",
+    "hf_config",
+    "load_hf",
+    "load_hf_tensors",
+    "named_hf_tensors",
+    "save_hf",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_TIED_HEAD = "lm_head.weight"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message names the tensor and the file."""
+
+
+# -- names -------------------------------------------------------------------------------------
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def _our_name(hf_name: str) -> str | None:
+    if hf_name.startswith("lm_head."):
+        return hf_name
+    return hf_name.removeprefix("model.") if hf_name.startswith("model.") else None
+
+
+def named_hf_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
+    """(Hugging Face name, detached parameter) for every parameter, embedding first."""
+    for name, param in model.named_parameters():
+        yield _hf_name(name), param.detach()
+
+
+def load_hf_tensors(
+    model: Transformer, named: Iterable[tuple[str, Tensor]], *, source: str = "tensors"
+) -> set[str]:
+    """Copy (Hugging Face name, tensor) pairs into `model` in place; the names copied.
+
+    A partial set is fine (weight sync may stream); unknown names and shape mismatches raise
+    `CheckpointError` naming the tensor and `source`.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for hf_name, tensor in named:
+            ours = _our_name(hf_name)
+            if ours == _TIED_HEAD and model.lm_head is None:
+                _check_tied_duplicate(model, tensor, source)
+                continue
+            if ours not in params:
+                raise CheckpointError(
+                    f"{source}: unknown tensor {hf_name!r} (not a parameter of this model)"
+                )
+            target = params[ours]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(
+                    f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(hf_name)
+    return loaded
+
+
+def _check_tied_duplicate(model: Transformer, tensor: Tensor, source: str) -> None:
+    embedding = model.embed_tokens.weight
+    if tuple(tensor.shape) != tuple(embedding.shape) or not torch.equal(
+        tensor.to(embedding), embedding.detach()
+    ):
+        raise CheckpointError(
+            f"{source}: {_TIED_HEAD!r} differs from model.embed_tokens.weight "
+            f"but the config ties them"
+        )
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    """The `config.json` dict of a model with these args, stored in `dtype`."""
+    scaling = None
+    if args.rope_scaling is not None:
+        scaling = {
+            "rope_type": "llama3",
+            **{f: getattr(args.rope_scaling, f) for f in RopeScaling.__struct_fields__},
+        }
+    return {
+        "architectures": [_ARCHITECTURES[args.family]],
+        "model_type": args.family,
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_position_embeddings,
+        "rms_norm_eps": args.rms_norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "attention_bias": False,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+
+
+def args_from_hf_config(config: dict[str, Any], source: str = "config.json") -> ModelArgs:
+    """`ModelArgs` from a Qwen3 or Llama `config.json` dict; unsupported features raise."""
+    family = config.get("model_type")
+    if family not in _ARCHITECTURES:
+        raise CheckpointError(
+            f"{source}: model_type {family!r} is not supported (only qwen3, llama)"
+        )
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if config.get(flag):
+            raise CheckpointError(f"{source}: {flag}=true is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(
+            f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu)"
+        )
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        scaling = RopeScaling(**{f: rope[f] for f in RopeScaling.__struct_fields__})
+    elif rope_type == "default":
+        scaling = None
+    else:
+        raise CheckpointError(
+            f"{source}: rope type {rope_type!r} is not supported (only default, llama3)"
+        )
+    try:
+        heads = config["num_attention_heads"]
+        return ModelArgs(
+            family=family,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            qk_norm=family == "qwen3",
+            max_position_embeddings=config.get("max_position_embeddings", 40960),
+        )
+    except KeyError as exc:
+        raise CheckpointError(f"{source}: missing key {exc.args[0]!r}") from None
+
+
+# -- load / save -------------------------------------------------------------------------------
+
+
+def load_hf(
+    directory: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attention: str = "auto",
+    activation_checkpointing: bool = False,
+) -> Transformer:
+    """A `Transformer` built from `directory`'s config.json and filled from its safetensors."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_path}: no config.json in the checkpoint folder") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path}: not valid JSON: {exc}") from None
+    args = args_from_hf_config(config, str(config_path))
+    with torch.device("meta"):
+        model = Transformer(
+            args, attention=attention, activation_checkpointing=activation_checkpointing
+        )
+    model = model.to_empty(device="cpu").to(dtype)
+    loaded: set[str] = set()
+    for path in _weight_files(directory):
+        loaded |= load_hf_tensors(model, _read_safetensors(path), source=str(path))
+    missing = sorted({name for name, _ in named_hf_tensors(model)} - loaded)
+    if missing:
+        raise CheckpointError(
+            f"{directory}: missing tensor {missing[0]!r} ({len(missing)} missing in all)"
+        )
+    return model
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from None
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file: {exc}") from None
+
+
+def save_hf(
+    model: Transformer, directory: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> None:
+    """Write config.json and the weights (sharded with an index above `max_shard_bytes`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = [(name, t.contiguous().cpu()) for name, t in named_hf_tensors(model)]
+    dtype = tensors[0][1].dtype
+    (directory / "config.json").write_text(
+        json.dumps(hf_config(model.args, dtype), indent=2) + "\n"
+    )
+    shards: list[list[tuple[str, Tensor]]] = [[]]
+    shard_bytes = 0
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((name, tensor))
+        shard_bytes += size
+    for stale in (
+        directory / SINGLE_FILE,
+        directory / INDEX_FILE,
+        *directory.glob("model-*-of-*.safetensors"),
+    ):
+        stale.unlink(missing_ok=True)
+    metadata = {"format": "pt"}  # transformers refuses safetensors files without it
+    if len(shards) == 1:
+        save_file(dict(shards[0]), str(directory / SINGLE_FILE), metadata=metadata)
+        return
+    weight_map = {}
+    for k, shard in enumerate(shards, start=1):
+        filename = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(dict(shard), str(directory / filename), metadata=metadata)
+        weight_map.update({name: filename for name, _ in shard})
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,207 @@
+"""Decoder-only transformer of the Qwen3 and Llama-3 families over packed tokens.
+
+One stack serves both families: pre-norm blocks of grouped-query attention with RoPE and a SwiGLU
+MLP; Qwen3 adds an RMSNorm over each head of q and k before RoPE (`qk_norm`), Llama-3 may scale
+RoPE frequencies ("llama3" rope_scaling). Submodule names are those of Hugging Face's
+`model.*` tree, so `hf.py` maps names by prefix, never by table.
+
+The forward takes packed sequences (`input_ids[T]`, `position_ids[T]`, `cu_seqlens[B+1]`) and
+returns the final-normed hidden states `[T, H]`; the LM head is left to the caller, because the
+fused log-prob kernels multiply by `lm_head_weight` chunk by chunk and never hold `[T, V]`.
+Layers reach attention only through an `attend(layer, q, k, v)` callable, so the training forward
+(`attention.PackedAttention`) and the KV-cache paths (`kv_cache.py`) run the same weights and the
+same arithmetic.
+
+RoPE tables are computed per call in fp32 from `ModelArgs` (not kept as buffers, which `.to(bf16)`
+would round) and cast to the activation dtype, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from rlmtrain.model import kv_cache
+from rlmtrain.model.attention import check_choice, plan_attention
+from rlmtrain.model.presets import ModelArgs
+
+__all__ = ["Attend", "Transformer", "rope_cos_sin"]
+
+Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+"""attend(layer_index, q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D]) -> [T, Hq, D]."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32, scale in the input dtype: the order Hugging Face uses, so bf16
+        # activations round the same way in both.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(args: ModelArgs, device: torch.device) -> Tensor:
+    """Per-pair rotation frequencies `[D/2]` fp32, with Llama-3 scaling applied when configured."""
+    exponents = (
+        torch.arange(0, args.head_dim, 2, device=device, dtype=torch.float32) / args.head_dim
+    )
+    inv_freq = 1.0 / (args.rope_theta**exponents)
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    in_band = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(in_band, interpolated, scaled)
+
+
+def rope_cos_sin(
+    args: ModelArgs, position_ids: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and sin `[T, 1, D]` for `position_ids[T]`, halves duplicated (rotate-half layout)."""
+    freqs = position_ids.float()[:, None] * rope_inv_freq(args, position_ids.device)[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        out = attend(_apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = SelfAttention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor]) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """Qwen3 / Llama-3 decoder. `forward` maps packed tokens to final-normed hidden states.
+
+    attention: "auto" | "flash" | "flex" | "sdpa" (see `attention.py`).
+    activation_checkpointing: recompute each layer in backward (non-reentrant checkpoint).
+    """
+
+    def __init__(
+        self, args: ModelArgs, *, attention: str = "auto", activation_checkpointing: bool = False
+    ):
+        super().__init__()
+        check_choice(attention)
+        self.args = args
+        self.attention = attention
+        self.activation_checkpointing = activation_checkpointing
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = (
+            None
+            if args.tie_word_embeddings
+            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """`[V, H]`: the LM head, or the input embedding when the two are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Random init from `seed` alone: normal(0, std) matrices, unit norm scales."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+                param.copy_(values)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """input_ids, position_ids: `[T]` int; cu_seqlens: `[B+1]` int, 0 .. T. Returns `[T, H]`."""
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"expected packed 1-D input_ids and position_ids of one shape, got "
+                f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
+            )
+        attend = plan_attention(self.attention, cu_seqlens.to(input_ids.device), input_ids.numel())
+        return self.hidden_states(input_ids, position_ids, lambda _layer, q, k, v: attend(q, k, v))
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor, attend: Attend) -> Tensor:
+        """The layer stack with attention supplied by the caller (see `Attend`); `[T, H]`."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.args, position_ids, h.dtype)
+        for index, layer in enumerate(self.layers):
+            layer_attend = _bind_layer(attend, index)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, layer_attend, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, layer_attend)
+        return self.norm(h)
+
+    def prefill(self, cache: kv_cache.KVCache, seq_ids: list[int], prompts: list[Tensor]) -> Tensor:
+        """Admit `prompts` into `cache` under `seq_ids`; last-position hidden `[B, H]`."""
+        return kv_cache.prefill(self, cache, seq_ids, prompts)
+
+    def decode(self, cache: kv_cache.KVCache, seq_ids: list[int], tokens: Tensor) -> Tensor:
+        """One new token per cached sequence, `tokens[B]`; hidden `[B, H]`."""
+        return kv_cache.decode(self, cache, seq_ids, tokens)
+
+
+def _bind_layer(attend: Attend, index: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    return lambda q, k, v: attend(index, q, k, v)
