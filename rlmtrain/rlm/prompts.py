@@ -1,0 +1,266 @@
+"""The per-turn prompt of SPEC.md §1, as chat messages.
+
+Every turn the prompt is rebuilt from scratch:
+
+    system     environment strategy + tool docs + REPL/builtin docs (with the code-block rule)
+    assistant  turn 1's code          } the history of this trajectory, one pair per past turn,
+    user       turn 1's REPL output   } older outputs shortened first when over budget
+    ...
+    user       last turn's REPL output, then the fresh query message for this turn
+
+The last user message restates the query with the turn number and is rewritten every turn, not
+accumulated, so turn t+1's prompt is not a prefix-extension of turn t's and each turn is its own
+training sample. The newest REPL output and the fresh message share one user message because some
+chat templates (Gemma's, Mistral's) refuse two user messages in a row.
+
+A prompt is a pure function of (env, task or query, the trajectory's past `Turn` records, limits):
+history is rendered from the records alone (an assistant turn shows the code that ran, not the
+prose around it), so anyone holding the records can rebuild any turn's prompt exactly.
+
+Budget: the history is kept under a character budget by shortening, oldest turn first, first
+the outputs to a head and tail, then the outputs entirely, then the code; the newest turn is
+never shortened (its output is already cut by the REPL's own limit). The agent shrinks the budget
+further when the chat-templated prompt is still over its token limit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from rlmtrain.rlm.extract import CLOSE_FENCE, CODE_BLOCK_RULE, OPEN_FENCE
+from rlmtrain.rlm.records import Turn
+
+__all__ = [
+    "Message",
+    "RLMEnv",
+    "SubcallMode",
+    "builtin_docs",
+    "fenced",
+    "history_messages",
+    "plain_call_messages",
+    "query_message",
+    "shorten",
+    "system_prompt",
+    "tool_docs",
+    "tool_functions",
+    "turn_messages",
+]
+
+Message = dict[str, str]
+"""{"role": "system" | "user" | "assistant", "content": str}"""
+
+SubcallMode = Literal["repl", "plain", "none"]
+"""What rlm_query does from this trajectory: runs a child with its own REPL, makes a plain LM
+call (the depth limit in "lm" mode), or only returns an error (depth limit in "error" mode)."""
+
+SHORT_OUTPUT_CHARS = 400
+"""What an old output is cut to (head + tail) in the first stage of fitting the budget."""
+
+
+@runtime_checkable
+class RLMEnv(Protocol):
+    """What the RLM runtime needs from an environment (`rlmtrain.envs.base.Env` implements it)."""
+
+    def system_prompt(self) -> str:
+        """The task strategy; the runtime appends tool and builtin docs."""
+        ...
+
+    def user_prompt(self, task: Any, turn: int, max_turns: int) -> str:
+        """The fresh user message of turn `turn` (0-based) of a root trajectory."""
+        ...
+
+    def context(self, task: Any) -> Any: ...
+
+    def tool_modules(self) -> list[str]: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# System prompt
+# ---------------------------------------------------------------------------------------------
+
+
+def tool_functions(module_name: str) -> list[Callable[..., Any]]:
+    """The tools a module exposes: its `TOOLS` list, else the callables named in `__all__`."""
+    module = importlib.import_module(module_name)
+    tools = getattr(module, "TOOLS", None)
+    if tools is None:
+        names = getattr(module, "__all__", None)
+        if names is None:
+            raise ValueError(f"tool module {module_name!r} defines neither TOOLS nor __all__")
+        tools = [getattr(module, name) for name in names]
+    for tool in tools:
+        if not callable(tool):
+            raise ValueError(f"tool module {module_name!r} lists {tool!r}, which is not callable")
+    return list(tools)
+
+
+@lru_cache(maxsize=64)
+def tool_docs(module_names: tuple[str, ...]) -> str:
+    """One entry per tool: `name(signature)` and its docstring, indented."""
+    entries = []
+    for module_name in module_names:
+        for tool in tool_functions(module_name):
+            doc = inspect.getdoc(tool) or "(undocumented)"
+            body = "\n".join("    " + line if line else "" for line in doc.splitlines())
+            entries.append(f"{tool.__name__}{inspect.signature(tool)}\n{body}")
+    return "\n\n".join(entries)
+
+
+def builtin_docs(
+    *,
+    output_limit_chars: int,
+    subcalls: SubcallMode,
+    max_children_per_call: int,
+    max_children_per_trajectory: int,
+) -> str:
+    """The REPL and its builtins, as this trajectory sees them (its limits and depth)."""
+    lines = [
+        "You work in a persistent Python REPL. The input to study is the variable `context`: "
+        "it is not shown to you, so inspect it with code (its type, size, parts). Variables and "
+        "imports persist between turns.",
+        CODE_BLOCK_RULE,
+        f"Example:\n{OPEN_FENCE}\nprint(type(context), len(context))\n{CLOSE_FENCE}",
+        f"What the code prints (cut to {output_limit_chars} characters) and any error are shown "
+        "to you next turn; print only what you need.",
+        "",
+        "Builtins:",
+        "FINAL(answer)  end the task with `answer` (a string). Only a call that runs counts; the "
+        "word in a comment or string does nothing.",
+        "FINAL_VAR(name)  end the task with the value of the REPL variable called `name` "
+        "(pass the name as a string).",
+    ]
+    if subcalls == "none":
+        lines.append(
+            "rlm_query and rlm_query_batched are not available here: calling them returns an "
+            "error string."
+        )
+    else:
+        who = (
+            "a helper with its own REPL, whose `context` is the one you pass or, by default, yours"
+            if subcalls == "repl"
+            else "a helper without a REPL, who sees only the prompt and the context you pass"
+        )
+        lines += [
+            f"rlm_query(prompt, context=None) -> str  ask {who}; returns its final answer.",
+            "rlm_query_batched(prompts, context_list=None) -> list[str]  several such queries run "
+            "concurrently; answers in the order of `prompts`.",
+            f"At most {max_children_per_call} prompts per call and {max_children_per_trajectory} "
+            "queries in all; a query that fails or is over a limit returns a string saying why.",
+        ]
+    return "\n".join(lines)
+
+
+def system_prompt(env: RLMEnv, *, builtins: str) -> str:
+    """The environment's strategy, its tools' docs, then the builtin docs."""
+    parts = [env.system_prompt().strip()]
+    docs = tool_docs(tuple(env.tool_modules()))
+    if docs:
+        parts.append("Tools (already defined in the REPL):\n\n" + docs)
+    parts.append(builtins)
+    return "\n\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# History and the per-turn messages
+# ---------------------------------------------------------------------------------------------
+
+
+def fenced(code: str) -> str:
+    return f"{OPEN_FENCE}\n{code}\n{CLOSE_FENCE}"
+
+
+def shorten(text: str, keep: int) -> str:
+    """`text` cut to about `keep` characters: head and tail, with a note of what was cut."""
+    if len(text) <= keep:
+        return text
+    head = keep // 2
+    tail = keep - head
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[... {cut} characters cut ...]\n{text[len(text) - tail :]}"
+
+
+def _report(output: str, error: str) -> str:
+    text = "REPL output:\n" + (output if output else "(nothing printed)")
+    if error:
+        text += "\n\nREPL error:\n" + error
+    return text
+
+
+def history_messages(turns: Sequence[Turn], budget_chars: int) -> list[Message]:
+    """Assistant/user pairs for past turns, fitted under `budget_chars` (module docstring).
+
+    The last user message (the newest output) is returned on its own so the caller can append
+    the fresh query message to it.
+    """
+    codes = [fenced(t.code) if t.code else "(no code ran this turn)" for t in turns]
+    reports = [_report(t.output, t.error) for t in turns]
+    older = range(len(turns) - 1)
+
+    def total() -> int:
+        return sum(map(len, codes)) + sum(map(len, reports))
+
+    stages: list[tuple[list[str], Callable[[int, str], str]]] = [
+        (reports, lambda i, text: shorten(text, SHORT_OUTPUT_CHARS)),
+        (reports, lambda i, text: f"[REPL output of turn {i + 1} omitted]"),
+        (codes, lambda i, text: f"[code of turn {i + 1} omitted]"),
+    ]
+    for parts, replace in stages:
+        for i in older:
+            if total() <= budget_chars:
+                break
+            parts[i] = replace(i, parts[i])
+    messages: list[Message] = []
+    for code, report in zip(codes, reports, strict=True):
+        messages.append({"role": "assistant", "content": code})
+        messages.append({"role": "user", "content": report})
+    return messages
+
+
+def query_message(query: str, turn: int, max_turns: int) -> str:
+    """The fresh user message of a child trajectory (roots use the env's `user_prompt`)."""
+    left = max_turns - turn
+    return (
+        f"Query: {query}\n\n"
+        f"This is turn {turn + 1} of {max_turns} ({left} left, this one included). "
+        f"Answer with one {OPEN_FENCE} block; end with FINAL(answer) or FINAL_VAR(name)."
+    )
+
+
+def turn_messages(
+    system: str, turns: Sequence[Turn], fresh_query: str, *, budget_chars: int
+) -> list[Message]:
+    """The whole prompt of the next turn: system, fitted history, fresh query message last."""
+    messages: list[Message] = [{"role": "system", "content": system}]
+    messages += history_messages(turns, budget_chars)
+    if turns:
+        last = messages[-1]
+        last["content"] = f"{last['content']}\n\n{fresh_query}"
+    else:
+        messages.append({"role": "user", "content": fresh_query})
+    return messages
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain LM calls (rlm_query at the depth limit in "lm" mode)
+# ---------------------------------------------------------------------------------------------
+
+PLAIN_CALL_SYSTEM = (
+    "You answer a sub-question from another assistant. Reply with the answer only, in plain "
+    "text, without code and without restating the question."
+)
+
+
+def plain_call_messages(prompt: str, context: Any | None, *, context_chars: int) -> list[Message]:
+    """A single-turn prompt: the question and, when one was passed, the context cut to size."""
+    content = prompt
+    if context is not None:
+        text = context if isinstance(context, str) else repr(context)
+        content += "\n\nContext:\n" + shorten(text, context_chars)
+    return [
+        {"role": "system", "content": PLAIN_CALL_SYSTEM},
+        {"role": "user", "content": content},
+    ]
