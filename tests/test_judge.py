@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -30,6 +31,8 @@ class JudgeServer:
 
     def __init__(self):
         self.seen: dict[str, list[float]] = defaultdict(list)
+        self.cases: dict[str, Callable[[int], tuple[int, bytes]]] = {}
+        """Extra cases: name -> f(nth request) -> (status, body)."""
         self.bodies: list[dict] = []
         server = self
 
@@ -54,10 +57,20 @@ class JudgeServer:
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
         )
 
+    def __enter__(self) -> JudgeServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
     def count(self, case: str) -> int:
         return len(self.seen[case])
 
     def play(self, handler: BaseHTTPRequestHandler, case: str, nth: int) -> None:
+        if case in self.cases:
+            return self.reply(handler, *self.cases[case](nth))
         if case == "good":
             return self.reply(handler, 200, completion(json.dumps(GOOD)))
         if case == "fenced":
@@ -118,11 +131,8 @@ def completion(content: str) -> bytes:
 
 @pytest.fixture
 def server():
-    s = JudgeServer()
-    s.thread.start()
-    yield s
-    s.httpd.shutdown()
-    s.httpd.server_close()
+    with JudgeServer() as s:
+        yield s
 
 
 def make_judge(server: JudgeServer, **overrides) -> RubricJudge:
@@ -272,8 +282,7 @@ def test_api_key_from_named_env_var(server, monkeypatch):
 
 def test_unreachable_server_is_unscored(server):
     port = server.httpd.server_address[1]
-    server.httpd.shutdown()
-    server.httpd.server_close()
+    server.__exit__()
     client = ChatClient(
         JudgeConfig(base_url=f"http://127.0.0.1:{port}/v1", max_retries=1, backoff_base_s=0.01)
     )
