@@ -397,6 +397,17 @@ def _generation_eos_ids(path: Path) -> list[int]:
     return ids
 
 
+def _without_added_tokens(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """A copy that cannot match any added token, special or not (transformers' "split" encode).
+
+    Its ids are those of normalize -> pre-tokenize -> model, the pipeline transformers runs by hand
+    for `_encode_without_added_tokens`; one Rust call instead of one per pre-token.
+    """
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = []
+    return tokenizers.Tokenizer.from_str(json.dumps(spec))
+
+
 def _token_content(value: Any) -> str | None:
     # tokenizer_config.json writes a special token as a string or as a serialised AddedToken.
     if isinstance(value, dict):
@@ -423,6 +434,7 @@ class HFTokenizer:
         # pad every encode; the trainer does its own packing.
         self._tok.no_truncation()
         self._tok.no_padding()
+        self._plain = _without_added_tokens(self._tok)
         self._source = source
         self._special_tokens = dict(special_tokens)
         self._chat_template = chat_template
@@ -498,15 +510,8 @@ class HFTokenizer:
         return self._stop_ids
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        if allow_special:
-            return self._tok.encode(text, add_special_tokens=False).ids
-        # The pipeline without the added-token pass: no added token, special or not, can match.
-        if self._tok.normalizer is not None:
-            text = self._tok.normalizer.normalize_str(text)
-        splits = [text]
-        if self._tok.pre_tokenizer is not None:
-            splits = [split for split, _ in self._tok.pre_tokenizer.pre_tokenize_str(text)]
-        return [token.id for split in splits for token in self._tok.model.tokenize(split)]
+        tokenizer = self._tok if allow_special else self._plain
+        return tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
