@@ -315,6 +315,15 @@ def test_hf_encode_special_only_when_asked(ours, theirs):
     )
 
 
+def test_hf_decode_never_raises(ours):
+    a, b = ours.encode("a"), ours.encode("b")
+    past_vocab = ours.vocab_size + 5  # a padded embedding row
+    assert ours.decode([*a, past_vocab, *b, -1]) == "a\ufffdb\ufffd"
+    two_bytes = ours.encode("ж")  # not in the corpus: one token per UTF-8 byte
+    assert len(two_bytes) == 2
+    assert ours.decode([two_bytes[1], *a]) == "\ufffda"  # a cut character
+
+
 def test_hf_token_to_id_unknown_names_the_token(ours):
     with pytest.raises(TokenizerError, match="not-a-token"):
         ours.token_to_id("not-a-token")

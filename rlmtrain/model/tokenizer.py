@@ -18,9 +18,9 @@ text, and only those the template writes itself as tokens; that is transformers'
 `sanitize_control_tokens=True`, reproduced piece for piece so the ids match it exactly. Passing
 `sanitize_control_tokens=False` gives transformers' default (the rendered string encoded whole).
 
-Refused on purpose: `tokenizer.json`-less (SentencePiece-only) checkpoints, tool schemas and
-extra template variables (the RLM scaffold puts tools in the REPL, not in the prompt), and batched
-calls. Errors name the file or the message at fault.
+Refused on purpose: `tokenizer.json`-less (SentencePiece-only) checkpoints, the `tools=` schema
+variable and other extra template variables (the RLM scaffold puts tools in the REPL, not in the
+prompt), and batched calls. Errors name the file or the message at fault.
 """
 
 from __future__ import annotations
@@ -514,7 +514,22 @@ class HFTokenizer:
         return tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        ids = [int(i) for i in ids]
+        vocab_size = self.vocab_size
+        if all(0 <= i < vocab_size for i in ids):
+            return self._tok.decode(ids, skip_special_tokens=False)
+        # A padded embedding row (Qwen's 151936 rows hold 151669 tokens) or a negative id: the
+        # library would drop the one and raise on the other; show U+FFFD as ByteTokenizer does.
+        pieces: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if 0 <= token_id < vocab_size:
+                run.append(token_id)
+                continue
+            pieces += [self._tok.decode(run, skip_special_tokens=False), "\ufffd"]
+            run = []
+        pieces.append(self._tok.decode(run, skip_special_tokens=False))
+        return "".join(pieces)
 
     def token_to_id(self, token: str) -> int:
         token_id = self._tok.token_to_id(token)
