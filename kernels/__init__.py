@@ -1,0 +1,38 @@
+"""Fused log-prob and GRPO-loss kernels for linear LM heads (Triton, with a chunked torch backend).
+
+Embeddable on its own: imports only torch and triton. None of these ops allocates an [N, V]
+logits tensor. Shapes: hidden [N, H] (packed tokens, no batch dim), weight [V, H] (the LM head,
+same dtype as hidden: bf16, fp16 or fp32), targets [N] int token ids; every per-token tensor is
+[N]; log-probs, entropies, losses and metrics come back in fp32.
+
+    fused_linear_logprob(hidden, weight, targets, *, temperature=1.0, return_entropy=False,
+                         ignore_index=-100, impl="auto") -> logp [N] (, entropy [N])
+    grpo_loss(logp, old_logp, advantages, weights, *, ref_logp=None, beta=0.0, clip_low=0.2,
+              clip_high=0.2, dual_clip=None, sampler_logp=None, tis_cap=None, impl="auto")
+              -> (loss [], GRPOMetrics)
+    fused_linear_grpo_loss(hidden, weight, targets, old_logp, advantages, weights, *, <grpo
+              options>, temperature=1.0, ignore_index=-100, return_entropy=False, impl="auto")
+              -> (loss [], GRPOMetrics (, entropy [N]))
+    fused_linear_nll(hidden, weight, targets, weights, *, temperature=1.0, ignore_index=-100,
+                     return_entropy=False, impl="auto") -> loss [] (, entropy [N])
+
+impl: "triton" runs the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) and raises
+`KernelBackendUnavailable` where it cannot; "torch" runs the chunked torch backend; "auto" picks
+Triton on CUDA and torch elsewhere. All ops are torch.library custom ops, so torch.compile traces
+callers without graph breaks.
+"""
+
+from ._backend import KernelBackendUnavailable
+from .fused_grpo import fused_linear_grpo_loss
+from .fused_nll import fused_linear_nll
+from .grpo_loss import GRPOMetrics, grpo_loss
+from .logprob import fused_linear_logprob
+
+__all__ = [
+    "GRPOMetrics",
+    "KernelBackendUnavailable",
+    "fused_linear_grpo_loss",
+    "fused_linear_logprob",
+    "fused_linear_nll",
+    "grpo_loss",
+]

@@ -1,0 +1,134 @@
+"""Linear head + weighted NLL for SFT: loss = -sum(weights * logp), gradients computed in the
+forward pass like `fused_linear_grpo_loss` (the per-token gradient is simply -weight).
+
+Rows whose target is `ignore_index` contribute nothing. No [N, V] tensor is ever allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from ._backend import resolve_impl
+from .grpo_loss import check_token_tensors
+from .logprob import check_linear_inputs, logprob_backward_triton, logprob_forward_triton
+
+__all__ = ["fused_linear_nll"]
+
+
+@torch.library.custom_op("rlmtrain_kernels::linear_nll_fwd", mutates_args=())
+def _linear_nll_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_logp = -torch.where(targets != ignore_index, weights.float(), 0.0)
+    need_grads = need_grad_hidden or need_grad_weight
+    if impl == "torch":
+        logp, entropy, grad_hidden, grad_weight = reference.linear_logprob_row_grads(
+            hidden, weight, targets, lambda rows, _: grad_logp[rows],
+            temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
+            need_grads=need_grads, need_grad_weight=need_grad_weight,
+        )  # fmt: skip
+    else:
+        logp, entropy, lse = logprob_forward_triton(
+            hidden, weight, targets,
+            temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
+        )  # fmt: skip
+        grad_hidden, grad_weight = logprob_backward_triton(
+            hidden, weight, targets, lse, None, grad_logp, None,
+            temperature=temperature, ignore_index=ignore_index,
+            need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight,
+        )  # fmt: skip
+    empty = hidden.new_empty(0, dtype=torch.float32)
+    return (
+        (grad_logp * logp).sum(),
+        entropy,
+        grad_hidden if need_grad_hidden else empty,
+        grad_weight if need_grad_weight else empty,
+    )
+
+
+@_linear_nll_fwd.register_fake
+def _(hidden, weight, targets, weights, temperature, ignore_index, with_entropy, need_grad_hidden,
+      need_grad_weight, impl):  # fmt: skip
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    return (
+        hidden.new_empty((), **f32),
+        hidden.new_empty(hidden.shape[0] if with_entropy else 0, **f32),
+        hidden.new_empty(hidden.shape if need_grad_hidden else (0,), **f32),
+        hidden.new_empty(weight.shape if need_grad_weight else (0,), **f32),
+    )
+
+
+class LinearNLLFunction(torch.autograd.Function):
+    """The forward already holds dLoss/dHidden and dLoss/dWeight; backward scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, *args):
+        loss, entropy, grad_hidden, grad_weight = _linear_nll_fwd(hidden, weight, *args)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(entropy)
+        return loss, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_entropy):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        grads = [None] * 10
+        if ctx.needs_input_grad[0]:
+            grads[0] = (grad_hidden * grad_loss).to(hidden_dtype)
+        if ctx.needs_input_grad[1]:
+            grads[1] = (grad_weight * grad_loss).to(weight_dtype)
+        return tuple(grads)
+
+
+def fused_linear_nll(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    impl: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Weighted negative log-likelihood of a linear LM head, -sum(weights * logp).
+
+    Args:
+        hidden: [N, H] bf16/fp16/fp32; weight: [V, H] same dtype; targets: [N] int ids or
+            `ignore_index`; weights: [N] per-token fp32 loss weights (e.g. 1 / completion tokens).
+        temperature: divides the logits before the softmax.
+        return_entropy: also return the per-token entropy [N] fp32 (detached diagnostic).
+        impl: "triton" | "torch" | "auto".
+
+    Returns:
+        loss fp32 0-dim (differentiable w.r.t. hidden and weight), or (loss, entropy [N]).
+    """
+    op = "fused_linear_nll"
+    check_linear_inputs(op, hidden, weight, targets, temperature)
+    check_token_tensors(op, hidden.shape[0], hidden.device, weights=weights)
+    backend = resolve_impl(impl, hidden.device, op)
+    grad_on = torch.is_grad_enabled()
+    loss, entropy = LinearNLLFunction.apply(
+        hidden.contiguous(),
+        weight.contiguous(),
+        targets.contiguous(),
+        weights.detach(),
+        float(temperature),
+        int(ignore_index),
+        bool(return_entropy),
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        backend,
+    )
+    return (loss, entropy) if return_entropy else loss

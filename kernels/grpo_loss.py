@@ -1,0 +1,371 @@
+"""GRPO policy loss over per-token log-probs: one elementwise pass gives the loss, its gradient
+and the metrics.
+
+Per token t with ratio rho = exp(logp - old_logp):
+    pg   = -min(rho * A, clip(rho, 1 - clip_low, 1 + clip_high) * A)
+    pg   = min(pg, -dual_clip * A)            for A < 0 when dual_clip is set (Ye et al. 2020)
+    tis  = min(exp(old_logp - sampler_logp), tis_cap)     1 when sampler_logp is None
+    kl   = exp(ref - logp) - (ref - logp) - 1             k3 (Schulman, "Approximating KL")
+    l    = tis * pg + beta * kl
+    loss = sum_t weights_t * l_t
+The truncated importance-sampling factor corrects for the engine's sampler differing from the
+trainer; it scales the policy term only (as verl and Liger do) and carries no gradient. All the
+trajectory-tree normalisation lives in `weights` (one fp32 weight per token, SPEC §4), so the loss
+is a plain weighted sum and needs no knowledge of sequences.
+
+Metrics (`GRPOMetrics`) are fp32 0-dim tensors computed in the same pass, without host syncs.
+They are unweighted averages over the counted tokens, those with weight != 0:
+    clip_low_frac     A < 0 and rho < 1 - clip_low     (the clipped branch is the one taken)
+    clip_high_frac    A > 0 and rho > 1 + clip_high
+    dual_clip_frac    the dual clip replaced the loss
+    tis_clipped_frac  exp(old_logp - sampler_logp) > tis_cap
+    kl_mean           mean k3 KL (0 without ref_logp; reported even when beta is 0)
+    ratio_mean, ratio_max
+    tokens            the number of counted tokens
+With no counted token every average is 0.
+
+The Triton kernel processes BLOCK tokens per program and writes per-program partial sums that a
+torch reduction folds (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._backend import resolve_impl
+
+__all__ = ["GRPOMetrics", "grpo_loss"]
+
+METRIC_NAMES = (
+    "clip_low_frac",
+    "clip_high_frac",
+    "dual_clip_frac",
+    "tis_clipped_frac",
+    "kl_mean",
+    "ratio_mean",
+    "ratio_max",
+    "tokens",
+)
+NUM_METRIC_SUMS = len(METRIC_NAMES)
+_MAX_SLOT = METRIC_NAMES.index("ratio_max")
+_COUNT_SLOT = METRIC_NAMES.index("tokens")
+
+
+class GRPOMetrics(NamedTuple):
+    """Averages over tokens with weight != 0; each an fp32 0-dim tensor on the loss's device."""
+
+    clip_low_frac: torch.Tensor
+    clip_high_frac: torch.Tensor
+    dual_clip_frac: torch.Tensor
+    tis_clipped_frac: torch.Tensor
+    kl_mean: torch.Tensor
+    ratio_mean: torch.Tensor
+    ratio_max: torch.Tensor
+    tokens: torch.Tensor
+
+
+def finalize_metrics(sums: torch.Tensor) -> GRPOMetrics:
+    """Metric sums [NUM_METRIC_SUMS] (as `reference.grpo_forward` returns them) -> averages."""
+    count = sums[_COUNT_SLOT]
+    denom = count.clamp(min=1.0)
+    averages = sums / denom
+    ratio_max = torch.where(count > 0, sums[_MAX_SLOT], 0.0)
+    values = [averages[i] for i in range(NUM_METRIC_SUMS)]
+    values[_MAX_SLOT] = ratio_max
+    values[_COUNT_SLOT] = count
+    return GRPOMetrics(*values)
+
+
+@triton.jit
+def _grpo_loss_kernel(
+    LOGP_ptr,
+    OLD_ptr,
+    ADV_ptr,
+    WEIGHT_ptr,
+    REF_ptr,
+    SAMPLER_ptr,
+    GRAD_ptr,
+    LOSS_PARTIAL_ptr,
+    METRIC_PARTIAL_ptr,
+    N,
+    beta,
+    clip_low,
+    clip_high,
+    dual_clip,
+    tis_cap,
+    HAS_REF: tl.constexpr,
+    KL_IN_LOSS: tl.constexpr,
+    HAS_DUAL: tl.constexpr,
+    HAS_SAMPLER: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    NUM_SUMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    logp = tl.load(LOGP_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    old = tl.load(OLD_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    adv = tl.load(ADV_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(WEIGHT_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+    ratio = tl.exp(logp - old)
+    low = 1.0 - clip_low
+    high = 1.0 + clip_high
+    unclipped = -adv * ratio
+    clipped = -adv * tl.minimum(tl.maximum(ratio, low), high)
+    take_unclipped = unclipped >= clipped
+    pg = tl.where(take_unclipped, unclipped, clipped)
+    dpg = tl.where(take_unclipped, unclipped, 0.0)
+    dual_active = tl.zeros([BLOCK], dtype=tl.int1)
+    if HAS_DUAL:
+        dual_active = (adv < 0) & (pg > -adv * dual_clip)
+        pg = tl.where(dual_active, -adv * dual_clip, pg)
+        dpg = tl.where(dual_active, 0.0, dpg)
+    tis_clipped = tl.zeros([BLOCK], dtype=tl.int1)
+    if HAS_SAMPLER:
+        sampler = tl.load(SAMPLER_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tis = tl.exp(old - sampler)
+        if HAS_CAP:
+            tis_clipped = tis > tis_cap
+            tis = tl.minimum(tis, tis_cap)
+        pg = pg * tis
+        dpg = dpg * tis
+    kl = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_REF:
+        ref = tl.load(REF_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        delta = ref - logp
+        kl = tl.exp(delta) - delta - 1.0
+        if KL_IN_LOSS:
+            pg = pg + beta * kl
+            dpg = dpg + beta * (1.0 - tl.exp(delta))
+
+    tl.store(GRAD_ptr + offs, w * dpg, mask=mask)
+    tl.store(LOSS_PARTIAL_ptr + pid, tl.sum(w * pg, axis=0))
+
+    counted = mask & (w != 0.0)
+    cnt = counted.to(tl.float32)
+    out = METRIC_PARTIAL_ptr + pid * NUM_SUMS
+    tl.store(out + 0, tl.sum(cnt * ((adv < 0) & (ratio < low)).to(tl.float32), axis=0))
+    tl.store(out + 1, tl.sum(cnt * ((adv > 0) & (ratio > high)).to(tl.float32), axis=0))
+    tl.store(out + 2, tl.sum(cnt * dual_active.to(tl.float32), axis=0))
+    tl.store(out + 3, tl.sum(cnt * tis_clipped.to(tl.float32), axis=0))
+    tl.store(out + 4, tl.sum(cnt * kl, axis=0))
+    tl.store(out + 5, tl.sum(cnt * ratio, axis=0))
+    tl.store(out + 6, tl.max(tl.where(counted, ratio, float("-inf")), axis=0))
+    tl.store(out + 7, tl.sum(cnt, axis=0))
+
+
+def _grpo_forward_triton(
+    logp, old_logp, advantages, weights, ref_logp, sampler_logp, *, beta, clip_low, clip_high,
+    dual_clip, tis_cap,
+):  # fmt: skip
+    n = logp.shape[0]
+    block = 1024
+    programs = max(1, triton.cdiv(n, block))
+    grad = torch.empty(n, dtype=torch.float32, device=logp.device)
+    loss_partial = torch.empty(programs, dtype=torch.float32, device=logp.device)
+    metric_partial = torch.empty(programs, NUM_METRIC_SUMS, dtype=torch.float32, device=logp.device)
+    _grpo_loss_kernel[(programs,)](
+        logp.contiguous(),
+        old_logp.contiguous(),
+        advantages.contiguous(),
+        weights.contiguous(),
+        ref_logp.contiguous() if ref_logp is not None else logp,
+        sampler_logp.contiguous() if sampler_logp is not None else logp,
+        grad,
+        loss_partial,
+        metric_partial,
+        n,
+        float(beta),
+        float(clip_low),
+        float(clip_high),
+        float(dual_clip) if dual_clip is not None else 0.0,
+        float(tis_cap) if tis_cap is not None else 0.0,
+        HAS_REF=ref_logp is not None,
+        KL_IN_LOSS=ref_logp is not None and beta != 0.0,
+        HAS_DUAL=dual_clip is not None,
+        HAS_SAMPLER=sampler_logp is not None,
+        HAS_CAP=tis_cap is not None,
+        NUM_SUMS=NUM_METRIC_SUMS,
+        BLOCK=block,
+    )
+    sums = metric_partial.sum(dim=0)
+    sums[_MAX_SLOT] = metric_partial[:, _MAX_SLOT].amax()
+    return loss_partial.sum(), grad, sums
+
+
+def grpo_forward(
+    logp, old_logp, advantages, weights, ref_logp, sampler_logp, *, beta, clip_low, clip_high,
+    dual_clip, tis_cap, impl,
+):  # fmt: skip
+    """(loss [], dLoss/dlogp [N], metric sums) by the chosen backend; used by the fused op too."""
+    backend = reference.grpo_forward if impl == "torch" else _grpo_forward_triton
+    return backend(
+        logp,
+        old_logp,
+        advantages,
+        weights,
+        ref_logp,
+        sampler_logp,
+        beta=beta,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        tis_cap=tis_cap,
+    )
+
+
+@torch.library.custom_op("rlmtrain_kernels::grpo_loss_fwd", mutates_args=())
+def _grpo_loss_op(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    sampler_logp: torch.Tensor | None,
+    beta: float,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    tis_cap: float | None,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return grpo_forward(
+        logp,
+        old_logp,
+        advantages,
+        weights,
+        ref_logp,
+        sampler_logp,
+        beta=beta,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        tis_cap=tis_cap,
+        impl=impl,
+    )
+
+
+@_grpo_loss_op.register_fake
+def _(logp, old_logp, advantages, weights, ref_logp, sampler_logp, *args):
+    f32 = dict(dtype=torch.float32, device=logp.device)
+    return (
+        logp.new_empty((), **f32),
+        logp.new_empty(logp.shape, **f32),
+        logp.new_empty(NUM_METRIC_SUMS, **f32),
+    )
+
+
+class GRPOLossFunction(torch.autograd.Function):
+    """Gradient flows to `logp` only; the gradient was computed by the forward pass."""
+
+    @staticmethod
+    def forward(ctx, logp, old_logp, advantages, weights, ref_logp, sampler_logp, options):
+        loss, grad_logp, sums = _grpo_loss_op(
+            logp, old_logp, advantages, weights, ref_logp, sampler_logp, *options
+        )
+        ctx.save_for_backward(grad_logp)
+        ctx.logp_dtype = logp.dtype
+        ctx.mark_non_differentiable(sums)
+        return loss, sums
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_sums):
+        (grad_logp,) = ctx.saved_tensors
+        return (grad_logp * grad_loss).to(ctx.logp_dtype), None, None, None, None, None, None
+
+
+def check_grpo_options(
+    beta: float,
+    ref_logp: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    sampler_logp: torch.Tensor | None,
+    tis_cap: float | None,
+) -> None:
+    if beta != 0.0 and ref_logp is None:
+        raise ValueError(f"grpo_loss: beta={beta} needs ref_logp")
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"grpo_loss: clip_low must be in [0, 1), got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"grpo_loss: clip_high must be >= 0, got {clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"grpo_loss: dual_clip must be > 1 (a ratio cap), got {dual_clip}")
+    if tis_cap is not None and sampler_logp is None:
+        raise ValueError("grpo_loss: tis_cap needs sampler_logp")
+    if tis_cap is not None and tis_cap <= 0.0:
+        raise ValueError(f"grpo_loss: tis_cap must be > 0, got {tis_cap}")
+
+
+def check_token_tensors(op: str, n: int, device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.shape != (n,):
+            raise ValueError(f"{op}: {name} must have shape [{n}], got {list(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
+        if not t.is_floating_point():
+            raise ValueError(f"{op}: {name} must be a floating tensor, got {t.dtype}")
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    ref_logp: torch.Tensor | None = None,
+    beta: float = 0.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    sampler_logp: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    impl: str = "auto",
+) -> tuple[torch.Tensor, GRPOMetrics]:
+    """GRPO loss over tokens: sum(weights * (tis * pg + beta * kl)); see the module docstring.
+
+    Args:
+        logp: [N] log-probs under the current policy (any float dtype); the only input that
+            receives a gradient.
+        old_logp: [N] log-probs of the policy that produced the rollouts (trainer-side).
+        advantages: [N] per-token advantages.
+        weights: [N] fp32 per-token loss weights (0 drops a token, also from the metrics).
+        ref_logp: [N] reference-policy log-probs for the k3 KL; required when beta != 0.
+        sampler_logp: [N] the inference engine's log-probs; enables truncated IS.
+        tis_cap: cap on exp(old_logp - sampler_logp); None leaves the factor untruncated.
+        dual_clip: ratio cap (> 1) for tokens with negative advantage.
+        impl: "triton" | "torch" | "auto" (Triton on CUDA, torch elsewhere).
+
+    Returns:
+        (loss: fp32 0-dim, metrics: GRPOMetrics of fp32 0-dim tensors).
+    """
+    n = logp.shape[0] if logp.dim() == 1 else -1
+    if n < 0:
+        raise ValueError(f"grpo_loss: logp must be 1-D [N], got shape {list(logp.shape)}")
+    check_token_tensors(
+        "grpo_loss",
+        n,
+        logp.device,
+        old_logp=old_logp,
+        advantages=advantages,
+        weights=weights,
+        ref_logp=ref_logp,
+        sampler_logp=sampler_logp,
+    )
+    check_grpo_options(beta, ref_logp, clip_low, clip_high, dual_clip, sampler_logp, tis_cap)
+    backend = resolve_impl(impl, logp.device, "grpo_loss")
+    options = (beta, clip_low, clip_high, dual_clip, tis_cap, backend)
+    detached = [t.detach() if t is not None else None for t in (ref_logp, sampler_logp)]
+    loss, sums = GRPOLossFunction.apply(
+        logp, old_logp.detach(), advantages.detach(), weights.detach(), *detached, options
+    )
+    return loss, finalize_metrics(sums)

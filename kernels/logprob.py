@@ -1,0 +1,536 @@
+"""Fused linear + log-softmax + gather: per-token log-probs (and entropy) of a linear LM head
+without ever holding the [N, V] logits.
+
+Forward kernel: programs tile (row block, vocabulary split). Each recomputes its logit tiles from
+hidden and weight (tl.dot, fp32 accumulation, operands never rounded) and keeps an online
+log-sum-exp per row: running max from -inf, padded vocabulary columns masked to -inf so they add
+exp(-inf) = 0, never exp(0). Splitting the vocabulary keeps the GPU busy when N is small; the
+per-split (max, sum, sum of e*z) triples are merged by a tiny torch epilogue.
+
+Backward kernel: programs tile (row block, vocabulary tile), recompute the logit tile, form
+dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z) and scatter dX = dz @ W and dW = dz^T @ X into
+fp32 buffers with atomic adds (the Cut Cross-Entropy layout, without its gradient filter, so the
+result is exact). Grids are one-dimensional so no axis meets the 65,535 limit of axes 1 and 2.
+
+The op is registered with torch.library (opaque to torch.compile, with fake kernels for shapes)
+and differentiated by `LinearLogprobFunction`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._backend import resolve_impl, triton_interpreting
+
+__all__ = ["fused_linear_logprob"]
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _tile_config(device: torch.device) -> dict[str, int]:
+    if device.type == "cpu" and triton_interpreting():
+        # tl.dot needs every block dimension >= 16; the interpreter is slow, so stay minimal.
+        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_H=16)
+    return dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently become tf32 products; bf16/fp16 products are exact in fp32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _logit_tile(
+    X_ptr,
+    W_ptr,
+    rows,
+    cols,
+    row_mask,
+    col_mask,
+    H,
+    stride_xn,
+    stride_xh,
+    stride_wv,
+    stride_wh,
+    inv_t,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_mask = hs < H
+        x = tl.load(
+            X_ptr + rows[:, None] * stride_xn + hs[None, :] * stride_xh,
+            mask=row_mask[:, None] & h_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            W_ptr + cols[:, None] * stride_wv + hs[None, :] * stride_wh,
+            mask=col_mask[:, None] & h_mask[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc * inv_t
+
+
+@triton.jit
+def _logprob_fwd_kernel(
+    X_ptr,
+    W_ptr,
+    T_ptr,
+    MAX_ptr,
+    SUM_ptr,
+    SUMZ_ptr,
+    TZ_ptr,
+    N,
+    V,
+    H,
+    stride_xn,
+    stride_xh,
+    stride_wv,
+    stride_wh,
+    inv_t,
+    n_row_tiles,
+    tiles_per_split,
+    WITH_ENTROPY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = pid % n_row_tiles
+    pid_s = pid // n_row_tiles
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    t = tl.load(T_ptr + rows, mask=row_mask, other=-1)
+
+    running_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    sum_exp = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sum_exp_z = tl.zeros([BLOCK_N], dtype=tl.float32)
+    tile_lo = pid_s * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, tl.cdiv(V, BLOCK_V))
+    for vt in range(tile_lo, tile_hi):
+        cols = (vt * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+        col_mask = cols < V
+        z = _logit_tile(
+            X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
+            stride_wh, inv_t, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+        )  # fmt: skip
+        z = tl.where(col_mask[None, :], z, 0.0)
+        masked_z = tl.where(col_mask[None, :], z, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(masked_z, axis=1))
+        rescale = tl.exp(running_max - new_max)
+        e = tl.exp(masked_z - new_max[:, None])
+        sum_exp = sum_exp * rescale + tl.sum(e, axis=1)
+        if WITH_ENTROPY:
+            sum_exp_z = sum_exp_z * rescale + tl.sum(e * z, axis=1)
+        running_max = new_max
+        hit = cols[None, :] == t[:, None]
+        in_tile = (t >= vt * BLOCK_V) & (t < vt * BLOCK_V + BLOCK_V)
+        tl.store(TZ_ptr + rows, tl.sum(tl.where(hit, z, 0.0), axis=1), mask=row_mask & in_tile)
+
+    out = pid_s.to(tl.int64) * N + rows
+    tl.store(MAX_ptr + out, running_max, mask=row_mask)
+    tl.store(SUM_ptr + out, sum_exp, mask=row_mask)
+    if WITH_ENTROPY:
+        tl.store(SUMZ_ptr + out, sum_exp_z, mask=row_mask)
+
+
+@triton.jit
+def _logprob_bwd_kernel(
+    X_ptr,
+    W_ptr,
+    T_ptr,
+    LSE_ptr,
+    MEANZ_ptr,
+    G_ptr,
+    GE_ptr,
+    DX_ptr,
+    DW_ptr,
+    N,
+    V,
+    H,
+    stride_xn,
+    stride_xh,
+    stride_wv,
+    stride_wh,
+    inv_t,
+    n_row_tiles,
+    WITH_ENTROPY: tl.constexpr,
+    NEED_DX: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = pid % n_row_tiles
+    pid_v = pid // n_row_tiles
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask = rows < N
+    col_mask = cols < V
+    t = tl.load(T_ptr + rows, mask=row_mask, other=-1)
+    lse = tl.load(LSE_ptr + rows, mask=row_mask, other=0.0)
+    g = tl.load(G_ptr + rows, mask=row_mask, other=0.0)
+
+    z = _logit_tile(
+        X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
+        stride_wh, inv_t, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+    )  # fmt: skip
+    p = tl.where(col_mask[None, :], tl.exp(z - lse[:, None]), 0.0)
+    hit = cols[None, :] == t[:, None]
+    dz = tl.where(hit, g[:, None], 0.0) - g[:, None] * p
+    if WITH_ENTROPY:
+        ge = tl.load(GE_ptr + rows, mask=row_mask, other=0.0)
+        mean_z = tl.load(MEANZ_ptr + rows, mask=row_mask, other=0.0)
+        dz += ge[:, None] * p * (mean_z[:, None] - z)
+    dz = (dz * inv_t).to(X_ptr.dtype.element_ty)
+
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_mask = hs < H
+        if NEED_DX:
+            w = tl.load(
+                W_ptr + cols[:, None] * stride_wv + hs[None, :] * stride_wh,
+                mask=col_mask[:, None] & h_mask[None, :],
+                other=0.0,
+            )
+            dx = tl.dot(dz, w, input_precision=DOT_PRECISION)
+            tl.atomic_add(
+                DX_ptr + rows[:, None] * H + hs[None, :],
+                dx,
+                mask=row_mask[:, None] & h_mask[None, :],
+                sem="relaxed",
+            )
+        if NEED_DW:
+            x = tl.load(
+                X_ptr + rows[:, None] * stride_xn + hs[None, :] * stride_xh,
+                mask=row_mask[:, None] & h_mask[None, :],
+                other=0.0,
+            )
+            dw = tl.dot(tl.trans(dz), x, input_precision=DOT_PRECISION)
+            tl.atomic_add(
+                DW_ptr + cols[:, None] * H + hs[None, :],
+                dw,
+                mask=col_mask[:, None] & h_mask[None, :],
+                sem="relaxed",
+            )
+
+
+def _vocab_splits(device: torch.device, n_row_tiles: int, n_vocab_tiles: int) -> int:
+    """Vocabulary splits so that small N still launches enough programs to fill the device."""
+    if device.type == "cuda":
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4  # the interpreter: still exercise the cross-split merge
+    return max(1, min(n_vocab_tiles, triton.cdiv(target, n_row_tiles)))
+
+
+def logprob_forward_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp [N], entropy [N] or [0], lse [N]), fp32, by the Triton forward kernel."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    cfg = _tile_config(hidden.device)
+    n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
+    splits = _vocab_splits(hidden.device, n_row_tiles, n_vocab_tiles)
+    tiles_per_split = triton.cdiv(n_vocab_tiles, splits)
+    splits = triton.cdiv(n_vocab_tiles, tiles_per_split)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    part_max = torch.empty(splits, n, **f32)
+    part_sum = torch.empty(splits, n, **f32)
+    part_sum_z = torch.empty(splits, n, **f32) if with_entropy else part_sum
+    target_z = torch.zeros(n, **f32)
+    _logprob_fwd_kernel[(n_row_tiles * splits,)](
+        hidden,
+        weight,
+        targets,
+        part_max,
+        part_sum,
+        part_sum_z,
+        target_z,
+        n,
+        v,
+        h,
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        1.0 / temperature,
+        n_row_tiles,
+        tiles_per_split,
+        WITH_ENTROPY=with_entropy,
+        DOT_PRECISION=_dot_precision(hidden.dtype),
+        **cfg,
+    )
+    row_max = part_max.amax(dim=0)
+    scale = torch.exp(part_max - row_max)
+    sum_exp = (part_sum * scale).sum(dim=0)
+    lse = row_max + torch.log(sum_exp)
+    valid = targets != ignore_index
+    logp = torch.where(valid, target_z - lse, 0.0)
+    entropy = torch.empty(0, **f32)
+    if with_entropy:
+        mean_z = (part_sum_z * scale).sum(dim=0) / sum_exp
+        entropy = torch.where(valid, lse - mean_z, 0.0)
+    return logp, entropy, lse
+
+
+def logprob_backward_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    *,
+    temperature: float,
+    ignore_index: int,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dHidden [N, H] fp32 or None, dWeight [V, H] fp32 or None) by the Triton backward kernel."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    cfg = _tile_config(hidden.device)
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    valid = targets != ignore_index
+    g = torch.zeros(n, **f32) if grad_logp is None else torch.where(valid, grad_logp.float(), 0.0)
+    with_entropy = grad_entropy is not None
+    ge = torch.where(valid, grad_entropy.float(), 0.0) if with_entropy else g
+    mean_z = lse - entropy if with_entropy else lse
+    grad_hidden = torch.zeros(n, h, **f32) if need_grad_hidden else None
+    grad_weight = torch.zeros(v, h, **f32) if need_grad_weight else None
+    if not (need_grad_hidden or need_grad_weight):
+        return grad_hidden, grad_weight
+    n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
+    _logprob_bwd_kernel[(n_row_tiles * n_vocab_tiles,)](
+        hidden,
+        weight,
+        targets,
+        lse.contiguous(),
+        mean_z.contiguous(),
+        g.contiguous(),
+        ge.contiguous(),
+        grad_hidden if grad_hidden is not None else g,
+        grad_weight if grad_weight is not None else g,
+        n,
+        v,
+        h,
+        hidden.stride(0),
+        hidden.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        1.0 / temperature,
+        n_row_tiles,
+        WITH_ENTROPY=with_entropy,
+        NEED_DX=need_grad_hidden,
+        NEED_DW=need_grad_weight,
+        DOT_PRECISION=_dot_precision(hidden.dtype),
+        **cfg,
+    )
+    return grad_hidden, grad_weight
+
+
+@torch.library.custom_op("rlmtrain_kernels::linear_logprob_fwd", mutates_args=())
+def _linear_logprob_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    forward = logprob_forward_triton if impl == "triton" else reference.linear_logprob_forward
+    return forward(
+        hidden,
+        weight,
+        targets,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        with_entropy=with_entropy,
+    )
+
+
+@_linear_logprob_fwd.register_fake
+def _(hidden, weight, targets, temperature, ignore_index, with_entropy, impl):
+    n = hidden.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    return (
+        hidden.new_empty(n, **f32),
+        hidden.new_empty(n if with_entropy else 0, **f32),
+        hidden.new_empty(n, **f32),
+    )
+
+
+@torch.library.custom_op("rlmtrain_kernels::linear_logprob_bwd", mutates_args=())
+def _linear_logprob_bwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if impl == "triton":
+        grad_hidden, grad_weight = logprob_backward_triton(
+            hidden, weight, targets, lse, entropy, grad_logp, grad_entropy,
+            temperature=temperature, ignore_index=ignore_index,
+            need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight,
+        )  # fmt: skip
+    else:
+        grad_hidden, grad_weight = reference.linear_logprob_backward(
+            hidden, weight, targets, lse, entropy, grad_logp, grad_entropy,
+            temperature=temperature, ignore_index=ignore_index, need_grad_weight=need_grad_weight,
+        )  # fmt: skip
+    # Custom ops cannot return None: an empty tensor stands for "not requested".
+    empty = hidden.new_empty(0)
+    return (
+        grad_hidden.to(hidden.dtype) if need_grad_hidden else empty,
+        grad_weight.to(weight.dtype) if need_grad_weight else empty,
+    )
+
+
+@_linear_logprob_bwd.register_fake
+def _(hidden, weight, targets, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index,
+      need_grad_hidden, need_grad_weight, impl):  # fmt: skip
+    return (
+        hidden.new_empty(hidden.shape if need_grad_hidden else (0,)),
+        weight.new_empty(weight.shape if need_grad_weight else (0,)),
+    )
+
+
+class LinearLogprobFunction(torch.autograd.Function):
+    """Differentiates (logp, entropy) w.r.t. hidden and weight by recomputing logit tiles."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, ignore_index, with_entropy, impl):
+        logp, entropy, lse = _linear_logprob_fwd(
+            hidden, weight, targets, temperature, ignore_index, with_entropy, impl
+        )
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.options = (temperature, ignore_index, impl)
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        temperature, ignore_index, impl = ctx.options
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden, grad_weight = _linear_logprob_bwd(
+            hidden,
+            weight,
+            targets,
+            lse,
+            entropy,
+            grad_logp,
+            grad_entropy if ctx.with_entropy else None,
+            temperature,
+            ignore_index,
+            need_hidden,
+            need_weight,
+            impl,
+        )
+        return (
+            grad_hidden if need_hidden else None,
+            grad_weight if need_weight else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def check_linear_inputs(
+    op: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"{op}: hidden must be [N, H], got shape {list(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"{op}: weight must be [V, H={hidden.shape[1]}], got shape {list(weight.shape)}"
+        )
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(f"{op}: targets must be [N={hidden.shape[0]}], got {list(targets.shape)}")
+    if hidden.dtype not in FLOAT_DTYPES or weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"{op}: hidden and weight must share one of {FLOAT_DTYPES}, "
+            f"got {hidden.dtype} and {weight.dtype}"
+        )
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: targets must be int32 or int64, got {targets.dtype}")
+    if not (hidden.device == weight.device == targets.device):
+        raise ValueError(
+            f"{op}: hidden, weight, targets on different devices: "
+            f"{hidden.device}, {weight.device}, {targets.device}"
+        )
+    if not temperature > 0.0:
+        raise ValueError(f"{op}: temperature must be > 0, got {temperature}")
+
+
+def fused_linear_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    impl: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(hidden @ weight.T / temperature)[i, targets[i]] without the [N, V] logits.
+
+    Args:
+        hidden: [N, H] bf16, fp16 or fp32 (the last hidden states, packed, no batch dim).
+        weight: [V, H] same dtype as hidden (the LM head).
+        targets: [N] int32/int64 token ids in [0, V), or `ignore_index`.
+        temperature: divides the logits (sampling temperature of the rollouts).
+        return_entropy: also return the entropy of softmax(logits / temperature).
+        ignore_index: rows with this target get logp 0, entropy 0 and no gradient.
+        impl: "triton" | "torch" | "auto" (Triton on CUDA, the chunked torch backend elsewhere).
+
+    Returns:
+        logp [N] fp32, or (logp [N] fp32, entropy [N] fp32); both differentiable w.r.t. hidden
+        and weight (gradients come back in their dtypes; dW is accumulated in fp32).
+    """
+    check_linear_inputs("fused_linear_logprob", hidden, weight, targets, temperature)
+    backend = resolve_impl(impl, hidden.device, "fused_linear_logprob")
+    logp, entropy = LinearLogprobFunction.apply(
+        hidden.contiguous(),
+        weight.contiguous(),
+        targets.contiguous(),
+        float(temperature),
+        int(ignore_index),
+        bool(return_entropy),
+        backend,
+    )
+    return (logp, entropy) if return_entropy else logp

@@ -1,0 +1,371 @@
+"""The chunked torch backend: the CPU path, the oracle the Triton kernels are tested against, and
+the benchmark baseline.
+
+Log-probs of a linear head never need the [N, V] logits at once. Rows are processed in blocks of
+`chunk_rows`; within a block the vocabulary is walked in tiles of `chunk_vocab` columns with an
+online log-sum-exp in fp32 (running max starting at -inf), so peak extra memory is
+O(chunk_rows * chunk_vocab + V * H): the fp32 logit tile plus an fp32 copy of a bf16 weight.
+Logits are always formed from fp32 operands, so they are never rounded to bf16 before the softmax
+(rounding them cost real runs 4-23% gradient error).
+
+Two gradient paths:
+- `linear_logprob_backward` recomputes each logit tile from the saved log-sum-exp; it serves an
+  arbitrary upstream gradient (the generic autograd op).
+- `linear_logprob_row_grads` serves fused losses whose gradient w.r.t. a token's log-prob depends
+  only on that token (GRPO, NLL): it asks `row_grad(rows, logp)` for the coefficients as soon as a
+  row block's log-probs are known and, when the whole vocabulary fits one tile, reuses the logit
+  tile instead of recomputing it. That is 6·N·H·V FLOPs, the same as unfused autograd.
+
+Gradient of logp_t = z_t - lse w.r.t. the tempered logits z is onehot(t) - p; of the entropy
+H = lse - E_p[z] it is p * (E_p[z] - z). Rows whose target equals `ignore_index` get log-prob 0,
+entropy 0 and no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "DEFAULT_TILE_ELEMENTS",
+    "chunk_sizes",
+    "grpo_forward",
+    "linear_logprob_backward",
+    "linear_logprob_forward",
+    "linear_logprob_row_grads",
+]
+
+# Elements in one fp32 logit tile (64 MiB): big enough for matmul efficiency, small next to N*V.
+DEFAULT_TILE_ELEMENTS = 1 << 24
+
+RowGrad = Callable[[slice, torch.Tensor], torch.Tensor]
+
+
+def chunk_sizes(
+    n_rows: int, vocab: int, tile_elements: int = DEFAULT_TILE_ELEMENTS
+) -> tuple[int, int]:
+    """Row block and vocabulary tile whose product stays within `tile_elements`."""
+    chunk_vocab = min(vocab, tile_elements)
+    chunk_rows = max(1, min(n_rows, tile_elements // chunk_vocab))
+    return chunk_rows, chunk_vocab
+
+
+def _logit_tiles(x32: torch.Tensor, w32: torch.Tensor, inv_t: float, chunk_vocab: int):
+    """Yield (first column, fp32 tempered logits [rows, cols]) over the vocabulary."""
+    for v0 in range(0, w32.shape[0], chunk_vocab):
+        z = x32 @ w32[v0 : v0 + chunk_vocab].T
+        if inv_t != 1.0:
+            z.mul_(inv_t)
+        yield v0, z
+
+
+def _target_logit(z: torch.Tensor, targets: torch.Tensor, v0: int) -> torch.Tensor:
+    """z[row, target - v0] where the target falls in this tile, else 0."""
+    local = targets - v0
+    inside = (local >= 0) & (local < z.shape[1])
+    picked = z.gather(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(inside, picked, 0.0)
+
+
+def _block_stats(
+    x32: torch.Tensor,
+    w32: torch.Tensor,
+    targets: torch.Tensor,
+    inv_t: float,
+    chunk_vocab: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Online log-sum-exp over the vocabulary for one row block.
+
+    Returns (lse, target logit, mean logit E_p[z] or empty, the logit tile when the vocabulary
+    was a single tile so that a gradient pass can reuse it, else None).
+    """
+    rows = x32.shape[0]
+    running_max = x32.new_full((rows,), float("-inf"))
+    sum_exp = x32.new_zeros(rows)
+    sum_exp_z = x32.new_zeros(rows)
+    target_z = x32.new_zeros(rows)
+    last = None
+    for v0, z in _logit_tiles(x32, w32, inv_t, chunk_vocab):
+        new_max = torch.maximum(running_max, z.amax(dim=1))
+        rescale = torch.exp(running_max - new_max)
+        e = torch.exp(z - new_max.unsqueeze(1))
+        sum_exp = sum_exp * rescale + e.sum(dim=1)
+        if with_entropy:
+            sum_exp_z = sum_exp_z * rescale + (e * z).sum(dim=1)
+        target_z += _target_logit(z, targets, v0)
+        running_max = new_max
+        last = z
+    lse = running_max + torch.log(sum_exp)
+    mean_z = sum_exp_z / sum_exp if with_entropy else x32.new_empty(0)
+    reusable = last if chunk_vocab >= w32.shape[0] else None
+    return lse, target_z, mean_z, reusable
+
+
+def _as_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def linear_logprob_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    chunk_rows: int | None = None,
+    chunk_vocab: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [N, H], weight [V, H], targets [N] -> (logp, entropy or [0], lse), each [N] fp32."""
+    n, v = hidden.shape[0], weight.shape[0]
+    default_rows, default_vocab = chunk_sizes(n, v)
+    chunk_rows = chunk_rows or default_rows
+    chunk_vocab = chunk_vocab or default_vocab
+    inv_t = 1.0 / temperature
+    w32 = _as_fp32(weight)
+    logp = hidden.new_empty(n, dtype=torch.float32)
+    lse = hidden.new_empty(n, dtype=torch.float32)
+    entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
+    for r0 in range(0, n, chunk_rows):
+        rows = slice(r0, r0 + chunk_rows)
+        t = targets[rows]
+        block_lse, target_z, mean_z, _ = _block_stats(
+            _as_fp32(hidden[rows]), w32, t, inv_t, chunk_vocab, with_entropy
+        )
+        valid = t != ignore_index
+        lse[rows] = block_lse
+        logp[rows] = torch.where(valid, target_z - block_lse, 0.0)
+        if with_entropy:
+            entropy[rows] = torch.where(valid, block_lse - mean_z, 0.0)
+    return logp, entropy, lse
+
+
+def _grad_logits_(
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    v0: int,
+    lse: torch.Tensor,
+    grad_logp: torch.Tensor,
+    mean_z: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    inv_t: float,
+) -> torch.Tensor:
+    """Overwrite the logit tile z with dLoss/d(pre-temperature logits); returns it."""
+    cols = z.shape[1]
+    p = torch.exp(z - lse.unsqueeze(1))
+    if grad_entropy is not None:
+        # dH/dz = p * (E_p[z] - z), computed before z is overwritten.
+        z.neg_().add_(mean_z.unsqueeze(1)).mul_(p).mul_(grad_entropy.unsqueeze(1))
+        z.sub_(p.mul_(grad_logp.unsqueeze(1)))
+    else:
+        torch.mul(p, grad_logp.unsqueeze(1), out=z).neg_()
+    local = targets - v0
+    inside = (local >= 0) & (local < cols)
+    hit = torch.where(inside, grad_logp, 0.0).unsqueeze(1)
+    z.scatter_add_(1, local.clamp(0, cols - 1).unsqueeze(1), hit)
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    return z
+
+
+def _block_grads(
+    x32: torch.Tensor,
+    w32: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad_logp: torch.Tensor,
+    mean_z: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    inv_t: float,
+    chunk_vocab: int,
+    grad_weight: torch.Tensor | None,
+    reusable_logits: torch.Tensor | None,
+) -> torch.Tensor:
+    """dHidden [rows, H] fp32 for one row block; adds the block's dWeight into grad_weight."""
+    grad_x = torch.zeros_like(x32)
+    tiles = (
+        [(0, reusable_logits)]
+        if reusable_logits is not None
+        else _logit_tiles(x32, w32, inv_t, chunk_vocab)
+    )
+    for v0, z in tiles:
+        dz = _grad_logits_(z, targets, v0, lse, grad_logp, mean_z, grad_entropy, inv_t)
+        w_tile = w32[v0 : v0 + dz.shape[1]]
+        grad_x.addmm_(dz, w_tile)
+        if grad_weight is not None:
+            grad_weight[v0 : v0 + dz.shape[1]].addmm_(dz.T, x32)
+    return grad_x
+
+
+def linear_logprob_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    *,
+    temperature: float,
+    ignore_index: int,
+    need_grad_weight: bool,
+    chunk_rows: int | None = None,
+    chunk_vocab: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients for an arbitrary upstream gradient; logit tiles are recomputed, never stored.
+
+    Returns (dHidden [N, H] fp32, dWeight [V, H] fp32 or None).
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    default_rows, default_vocab = chunk_sizes(n, v)
+    chunk_rows = chunk_rows or default_rows
+    chunk_vocab = chunk_vocab or default_vocab
+    inv_t = 1.0 / temperature
+    w32 = _as_fp32(weight)
+    valid = targets != ignore_index
+    g = torch.where(valid, grad_logp.float(), 0.0) if grad_logp is not None else None
+    if g is None:
+        g = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    ge = torch.where(valid, grad_entropy.float(), 0.0) if grad_entropy is not None else None
+    mean_z = lse - entropy if ge is not None else None
+    grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+    grad_weight = torch.zeros(v, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    grad_weight = grad_weight if need_grad_weight else None
+    for r0 in range(0, n, chunk_rows):
+        rows = slice(r0, r0 + chunk_rows)
+        grad_hidden[rows] = _block_grads(
+            _as_fp32(hidden[rows]),
+            w32,
+            targets[rows],
+            lse[rows],
+            g[rows],
+            mean_z[rows] if mean_z is not None else None,
+            ge[rows] if ge is not None else None,
+            inv_t,
+            chunk_vocab,
+            grad_weight,
+            None,
+        )
+    return grad_hidden, grad_weight
+
+
+def linear_logprob_row_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    row_grad: RowGrad,
+    *,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    need_grads: bool,
+    need_grad_weight: bool,
+    chunk_rows: int | None = None,
+    chunk_vocab: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs and, in the same pass, the gradients of a per-token loss.
+
+    `row_grad(rows, logp[rows])` returns dLoss/dlogp for those rows (ignored rows are zeroed
+    here). Returns (logp [N], entropy [N] or [0], dHidden [N, H] fp32 or None, dWeight [V, H]
+    fp32 or None).
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    default_rows, default_vocab = chunk_sizes(n, v)
+    chunk_rows = chunk_rows or default_rows
+    chunk_vocab = chunk_vocab or default_vocab
+    inv_t = 1.0 / temperature
+    w32 = _as_fp32(weight)
+    logp = hidden.new_empty(n, dtype=torch.float32)
+    entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
+    grad_hidden = hidden.new_empty(hidden.shape, dtype=torch.float32) if need_grads else None
+    grad_weight = None
+    if need_grads and need_grad_weight:
+        grad_weight = torch.zeros(v, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    for r0 in range(0, n, chunk_rows):
+        rows = slice(r0, min(r0 + chunk_rows, n))
+        t = targets[rows]
+        x32 = _as_fp32(hidden[rows])
+        lse, target_z, mean_z, z = _block_stats(x32, w32, t, inv_t, chunk_vocab, with_entropy)
+        valid = t != ignore_index
+        logp[rows] = torch.where(valid, target_z - lse, 0.0)
+        if with_entropy:
+            entropy[rows] = torch.where(valid, lse - mean_z, 0.0)
+        if need_grads:
+            g = torch.where(valid, row_grad(rows, logp[rows]), 0.0)
+            grad_hidden[rows] = _block_grads(
+                x32, w32, t, lse, g, None, None, inv_t, chunk_vocab, grad_weight, z
+            )
+    return logp, entropy, grad_hidden, grad_weight
+
+
+def grpo_forward(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    sampler_logp: torch.Tensor | None,
+    *,
+    beta: float,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    tis_cap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token GRPO over [N] tensors with its gradient written out (no autograd).
+
+    Returns (loss [] fp32, dLoss/dlogp [N] fp32, metric sums [NUM_METRIC_SUMS] fp32) where the
+    metric sums are those the Triton kernel reduces; `grpo_loss.finalize_metrics` turns them into
+    averages.
+    """
+    n = logp.shape[0]
+    logp = logp.float()
+    adv = advantages.float()
+    w = weights.float()
+    ratio = torch.exp(logp - old_logp.float())
+    low, high = 1.0 - clip_low, 1.0 + clip_high
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(low, high)
+    take_unclipped = unclipped >= clipped
+    pg = torch.where(take_unclipped, unclipped, clipped)
+    dpg = torch.where(take_unclipped, unclipped, 0.0)
+    dual_active = torch.zeros_like(take_unclipped)
+    if dual_clip is not None:
+        dual_active = (adv < 0) & (pg > -adv * dual_clip)
+        pg = torch.where(dual_active, -adv * dual_clip, pg)
+        dpg = torch.where(dual_active, 0.0, dpg)
+    tis_clipped = torch.zeros_like(take_unclipped)
+    if sampler_logp is not None:
+        tis = torch.exp(old_logp.float() - sampler_logp.float())
+        if tis_cap is not None:
+            tis_clipped = tis > tis_cap
+            tis = tis.clamp(max=tis_cap)
+        pg, dpg = pg * tis, dpg * tis
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None:
+        delta = ref_logp.float() - logp
+        kl = torch.exp(delta) - delta - 1.0
+        if beta != 0.0:
+            pg = pg + beta * kl
+            dpg = dpg + beta * (1.0 - torch.exp(delta))
+    loss = (w * pg).sum()
+    counted = w != 0
+    cnt = counted.float()
+    masked_ratio = torch.where(counted, ratio, -math.inf)
+    ratio_max = masked_ratio.amax() if n else ratio.new_tensor(-math.inf)
+    sums = torch.stack(
+        [
+            (cnt * ((adv < 0) & (ratio < low))).sum(),
+            (cnt * ((adv > 0) & (ratio > high))).sum(),
+            (cnt * dual_active).sum(),
+            (cnt * tis_clipped).sum(),
+            (cnt * kl).sum(),
+            (cnt * ratio).sum(),
+            ratio_max,
+            cnt.sum(),
+        ]
+    )
+    return loss, w * dpg, sums
