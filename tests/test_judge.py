@@ -33,6 +33,8 @@ class JudgeServer:
         self.seen: dict[str, list[float]] = defaultdict(list)
         self.cases: dict[str, Callable[[int], tuple[int, bytes]]] = {}
         """Extra cases: name -> f(nth request) -> (status, body)."""
+        self.handlers: dict[str, Callable[[int, dict], tuple[int, bytes]]] = {}
+        """Extra cases that read the request: name -> f(nth, request json) -> (status, body)."""
         self.bodies: list[dict] = []
         server = self
 
@@ -48,7 +50,7 @@ class JudgeServer:
                 text = body["messages"][-1]["content"]
                 case = re.search(r"case:(\w+)", text).group(1)
                 server.seen[case].append(time.monotonic())
-                server.play(self, case, len(server.seen[case]))
+                server.play(self, case, len(server.seen[case]), body)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -68,7 +70,9 @@ class JudgeServer:
     def count(self, case: str) -> int:
         return len(self.seen[case])
 
-    def play(self, handler: BaseHTTPRequestHandler, case: str, nth: int) -> None:
+    def play(self, handler: BaseHTTPRequestHandler, case: str, nth: int, body: dict) -> None:
+        if case in self.handlers:
+            return self.reply(handler, *self.handlers[case](nth, body))
         if case in self.cases:
             return self.reply(handler, *self.cases[case](nth))
         if case == "good":

@@ -1,4 +1,5 @@
-"""The rubric LLM judge of evidence answers (SPEC §3, seed 000).
+"""LLM judges: the rubric judge of evidence answers (SPEC §3, seed 000) and the pass/fail proof
+judge of BookNavigator (seed 002, see `ProofJudge`).
 
 The judge model sees the query, the ground-truth evidence and the prediction, and must reply with
 one JSON object `{"precision": 1-10, "recall": 1-10, "reason": "..."}`: precision = how much of
@@ -23,7 +24,18 @@ import msgspec
 from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored
 from rlmtrain.rewards.span_f1 import span_f1
 
-__all__ = ["RUBRIC_SYSTEM_PROMPT", "JudgeScore", "RubricJudge", "RubricReply", "rubric_messages"]
+__all__ = [
+    "PROOF_SYSTEM_PROMPT",
+    "RUBRIC_SYSTEM_PROMPT",
+    "JudgeScore",
+    "ProofJudge",
+    "ProofReply",
+    "ProofVerdict",
+    "RubricJudge",
+    "RubricReply",
+    "proof_messages",
+    "rubric_messages",
+]
 
 RUBRIC_SYSTEM_PROMPT = """\
 You grade answers that quote evidence passages for a query.
@@ -103,3 +115,55 @@ class RubricJudge:
                 reason=f"judge unavailable, span F1 used: {why}",
             )
         return JudgeScore(score=None, method="unscored", reason=why)
+
+
+PROOF_SYSTEM_PROMPT = """\
+You grade proofs. You are given a problem, a reference solution and a submitted proof.
+The submission passes if it is a complete and correct proof of the problem: it may argue
+differently from the reference, but every step must hold and no case may be missing.
+Reply with exactly one JSON object and nothing else:
+{"verdict": "pass" or "fail", "reason": "<one sentence>"}"""
+
+
+class ProofReply(msgspec.Struct, kw_only=True):
+    verdict: Literal["pass", "fail"]
+    reason: str = ""
+
+
+class ProofVerdict(msgspec.Struct, kw_only=True):
+    score: float | None
+    """+1 pass, -1 fail (a missing answer fails); None when the judge could not answer."""
+    method: Literal["judge", "no_answer", "unscored"]
+    reason: str = ""
+
+
+def proof_messages(problem: str, reference: str, proof: str) -> list[dict[str, str]]:
+    user = f"Problem:\n{problem}\n\nReference solution:\n{reference}\n\nSubmitted proof:\n{proof}"
+    return [
+        {"role": "system", "content": PROOF_SYSTEM_PROMPT},
+        {"role": "user", "content": user},
+    ]
+
+
+class ProofJudge:
+    """Pass/fail verdicts on proofs against a hidden reference (BookNavigator, seed 002).
+
+    A proof has no verifiable fallback (span overlap with a reference proof says little about
+    correctness), so a verdict that cannot be had is always None with its reason, and the trainer
+    drops that sample from its group.
+    """
+
+    def __init__(self, config: JudgeConfig, client: ChatClient | None = None):
+        self.client = client if client is not None else ChatClient(config)
+
+    async def verdict(self, problem: str, reference: str, proof: str | None) -> ProofVerdict:
+        if proof is None or not proof.strip():
+            return ProofVerdict(score=-1.0, method="no_answer", reason="no final answer")
+        reply = await self.client.complete_json(
+            proof_messages(problem, reference, proof), ProofReply
+        )
+        if isinstance(reply, Unscored):
+            return ProofVerdict(score=None, method="unscored", reason=reply.reason)
+        return ProofVerdict(
+            score=1.0 if reply.verdict == "pass" else -1.0, method="judge", reason=reply.reason
+        )
