@@ -7,6 +7,7 @@ Every command takes `--config FILE` and any number of `--section.key=value` over
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from rlmtrain.config import ConfigError, load_config, to_toml
@@ -24,6 +25,22 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return train.main(load_config(args.config, overrides))
 
 
+# Commands whose arguments belong to the module that implements them: (module, help).
+_DELEGATED = {
+    ("data", "ingest"): ("rlmtrain.envs.pdf", "parse a folder of PDFs into a corpus JSONL"),
+    ("data", "synth"): ("rlmtrain.envs.synth", "synthesise paper groups, render to PDF, parse back"),
+}
+
+
+def _delegate(argv: list[str]) -> int | None:
+    """Run a delegated command if argv names one; None otherwise."""
+    key = tuple(argv[:2])
+    if key not in _DELEGATED:
+        return None
+    module = importlib.import_module(_DELEGATED[key][0])
+    return module.cli(argv[2:])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlmtrain", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -37,10 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_commands.add_parser("show", help="print the resolved config as TOML")
     show.add_argument("--config", help="TOML run file (default: built-in defaults)")
     show.set_defaults(run=_config_show)
+
+    data = commands.add_parser("data", help="build data sets")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    for (_, name), (_, text) in _DELEGATED.items():
+        data_commands.add_parser(name, help=text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    delegated = _delegate(argv)
+    if delegated is not None:
+        return delegated
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     overrides = [a for a in rest if a.startswith("--") and "." in a.split("=", 1)[0]]
