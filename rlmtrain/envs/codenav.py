@@ -1,0 +1,181 @@
+"""Code navigation (SPEC §2, seed 001): answer "where does A call B?" about a Python code base.
+
+The REPL's `context` is the code base as one string with position markers (`codenav_tools.
+render_codebase`); the model navigates it with `search_code`, `goto_definition` and `list_calls`
+and answers with the call's position, `path:line`. Tasks are generated from any Python package
+directory: for every function A and every callee B that A's body calls exactly once, one task
+(a callee called twice would have two right answers). The gold answer and the scripted expert
+both come from the AST (`codenav_tools.CodeIndex`), so they are exact.
+
+Reward: 1.0 when the first `path.py:line` in the answer is the gold position, else 0.0 — a
+verifiable reward, no judge needed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rlmtrain.config import Config
+from rlmtrain.envs.base import Env, RewardResult, Task, read_tasks, register_env, root_answers
+from rlmtrain.envs.codenav_tools import CodeIndex, render_codebase
+from rlmtrain.rlm.records import RolloutGroup
+
+__all__ = [
+    "CodeNavEnv",
+    "CodeTask",
+    "answer_position",
+    "expert_answer",
+    "generate_tasks",
+    "package_files",
+]
+
+
+class CodeTask(Task):
+    codebase: str
+    """Package directory; relative = relative to the task file."""
+    caller: str
+    """Qualified name of A inside its file."""
+    caller_path: str
+    """A's file, as the context names it (e.g. "json/decoder.py")."""
+    callee: str
+    """B as written at the call site."""
+    answer: str
+    """Gold position "path:line" of the call."""
+
+
+_POSITION = re.compile(r"[\w./\\-]+\.py:\d+")
+
+
+def answer_position(answer: str | None) -> str | None:
+    """The first "path.py:line" in an answer, or None."""
+    if not answer:
+        return None
+    match = _POSITION.search(answer)
+    return match.group(0) if match else None
+
+
+def package_files(directory: str | Path) -> list[tuple[str, str]]:
+    """(path, source) of every .py file under `directory`, sorted, paths starting with the
+    directory's own name (so "json/decoder.py", not "decoder.py")."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"code base directory not found: {root}")
+    files = []
+    for file in sorted(root.rglob("*.py")):
+        if "__pycache__" in file.parts:
+            continue
+        files.append((file.relative_to(root.parent).as_posix(), file.read_text(encoding="utf-8")))
+    if not files:
+        raise ValueError(f"code base directory has no .py files: {root}")
+    return files
+
+
+def expert_answer(index: CodeIndex, caller_path: str, caller: str, callee: str) -> str:
+    """The exact position of A's call of B, read from the AST; ValueError if not unique."""
+    found = [
+        f"{d.path}:{line}"
+        for d in index.find(f"{caller_path}:{caller}")
+        if d.qualname == caller and d.kind == "function"
+        for name, line in d.calls
+        if name == callee
+    ]
+    if len(found) != 1:
+        raise ValueError(f"{caller_path}:{caller} calls {callee!r} {len(found)} times, not once")
+    return found[0]
+
+
+def _query(caller: str, caller_path: str, callee: str) -> str:
+    return (
+        f"Where does the function `{caller}` (defined in {caller_path}) call `{callee}`? "
+        "Answer with the position of the call as path:line."
+    )
+
+
+def generate_tasks(
+    directory: str | Path, n: int | None = None, seed: int = 0, codebase: str | None = None
+) -> list[CodeTask]:
+    """Tasks from a package directory: all of them (n=None) or `n` drawn with `seed`.
+
+    `codebase` is what the tasks record as their directory (default: the absolute path).
+    """
+    index = CodeIndex(render_codebase(package_files(directory)))
+    candidates = []
+    for d in index.definitions:
+        if d.kind != "function":
+            continue
+        names = [name for name, _ in d.calls]
+        for callee, line in d.calls:
+            if names.count(callee) == 1:
+                candidates.append((d, callee, f"{d.path}:{line}"))
+    if n is not None:
+        candidates = random.Random(seed).sample(candidates, min(n, len(candidates)))
+    where = codebase if codebase is not None else str(Path(directory).resolve())
+    return [
+        CodeTask(
+            id=f"codenav-{seed}-{i}",
+            query=_query(d.qualname, d.path, callee),
+            codebase=where,
+            caller=d.qualname,
+            caller_path=d.path,
+            callee=callee,
+            answer=answer,
+        )
+        for i, (d, callee, answer) in enumerate(candidates)
+    ]
+
+
+STRATEGY = """\
+You answer questions about a Python code base. `context` is the whole code base as one string:
+every line is prefixed with its position "path:line| ", and each definition is announced by a
+line "=== def name @ path:line ===". Do not print it whole. Use goto_definition(name) to read the
+function the question is about, list_calls(name) to see the calls its body makes with their
+positions, and search_code(text) for anything else. Answer with the position of the call as
+path:line, e.g. FINAL("pkg/util.py:42"). Usually 2-3 turns."""
+
+
+class CodeNavEnv(Env):
+    name = "codenav"
+    task_type = CodeTask
+
+    def __init__(self) -> None:
+        self._codebases: dict[str, str] = {}
+
+    def system_prompt(self) -> str:
+        return STRATEGY
+
+    def context(self, task: CodeTask) -> str:
+        key = str(Path(task.codebase).resolve())
+        if key not in self._codebases:
+            self._codebases[key] = render_codebase(package_files(key))
+        return self._codebases[key]
+
+    def tool_modules(self) -> list[str]:
+        return ["rlmtrain.envs.codenav_tools"]
+
+    def load_tasks(self, path: str | Path) -> list[CodeTask]:
+        base = Path(path).parent
+        tasks = []
+        for task in read_tasks(path, CodeTask):
+            if not Path(task.codebase).is_absolute():
+                task = msgspec.structs.replace(task, codebase=str(base / task.codebase))
+            tasks.append(task)
+        return tasks
+
+    async def reward(self, task: CodeTask, group: RolloutGroup) -> RewardResult:
+        scores: list[float | None] = []
+        details: list[dict[str, Any]] = []
+        for answer in root_answers(group):
+            position = answer_position(answer)
+            scores.append(1.0 if position == task.answer else 0.0)
+            details.append({"method": "exact_position", "position": position})
+        return RewardResult(scores=scores, details=details)
+
+
+@register_env("codenav")
+def make_codenav(config: Config | None) -> CodeNavEnv:
+    return CodeNavEnv()
