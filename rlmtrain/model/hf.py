@@ -82,11 +82,12 @@ def load_hf_tensors(
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    tied_copy = None
     with torch.no_grad():
         for hf_name, tensor in named:
             ours = _our_name(hf_name)
             if ours == _TIED_HEAD and model.lm_head is None:
-                _check_tied_duplicate(model, tensor, source)
+                tied_copy = tensor  # compared once the embedding itself has arrived
                 continue
             if ours not in params:
                 raise CheckpointError(
@@ -100,6 +101,8 @@ def load_hf_tensors(
                 )
             target.copy_(tensor)
             loaded.add(hf_name)
+    if tied_copy is not None:
+        _check_tied_duplicate(model, tied_copy, source)
     return loaded
 
 
@@ -219,8 +222,14 @@ def load_hf(
         )
     model = model.to_empty(device="cpu").to(dtype)
     loaded: set[str] = set()
+    tied_copies: list[tuple[Path, Tensor]] = []
     for path in _weight_files(directory):
-        loaded |= load_hf_tensors(model, _read_safetensors(path), source=str(path))
+        named = _read_safetensors(path)
+        if args.tie_word_embeddings:  # the embedding may sit in a later shard than the copy
+            named = _set_aside(named, _TIED_HEAD, lambda t, p=path: tied_copies.append((p, t)))
+        loaded |= load_hf_tensors(model, named, source=str(path))
+    for path, tensor in tied_copies:
+        _check_tied_duplicate(model, tensor, str(path))
     missing = sorted({name for name, _ in named_hf_tensors(model)} - loaded)
     if missing:
         raise CheckpointError(
@@ -241,6 +250,16 @@ def _weight_files(directory: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise CheckpointError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def _set_aside(
+    named: Iterable[tuple[str, Tensor]], name: str, keep
+) -> Iterator[tuple[str, Tensor]]:
+    for item in named:
+        if item[0] == name:
+            keep(item[1])
+        else:
+            yield item
 
 
 def _read_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
