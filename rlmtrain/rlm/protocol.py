@@ -1,0 +1,203 @@
+"""Wire messages between the trainer, the zygote and the REPL workers.
+
+Every message is one frame: a 4-byte big-endian length, then a msgpack body encoding one of the
+tagged Structs below. Both directions are typed: the trainer decodes what a worker sends with a
+decoder that accepts only `WorkerMessage` and refuses frames over its size cap, so a worker that
+writes garbage (or something well-formed but out of turn) is a protocol violation and gets
+killed, never believed. The trainer <-> zygote channel carries pickled contexts: that direction is
+trusted (the trainer made them); nothing a worker sends is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgspec
+
+from rlmtrain.rlm.records import ToolCall
+
+__all__ = [
+    "HEADER",
+    "Answers",
+    "Boot",
+    "Booted",
+    "BootFailed",
+    "Done",
+    "Exec",
+    "Exited",
+    "Query",
+    "Ready",
+    "Shutdown",
+    "Spawn",
+    "SpawnFailed",
+    "Spawned",
+    "WorkerLimits",
+    "encode_frame",
+    "recv_frame",
+    "send_frame",
+]
+
+HEADER = struct.Struct(">I")
+
+
+class WorkerLimits(msgspec.Struct, kw_only=True, frozen=True):
+    """What the jail enforces on a worker (see `rlmtrain._jail.enter`)."""
+
+    address_space: int
+    cpu_seconds: int
+    open_files: int
+    file_size: int
+    threads: int
+    output_limit_chars: int
+    max_frame_bytes: int
+
+
+# ---- trainer -> zygote ------------------------------------------------------------------------
+
+
+class Boot(msgspec.Struct, tag=True, kw_only=True):
+    sys_path: list[str]
+    preload_modules: list[str]
+    tool_modules: list[str]
+    context: bytes
+    """The pickled context, loaded once in the zygote and shared copy-on-write by its workers."""
+    limits: WorkerLimits
+
+
+class Spawn(msgspec.Struct, tag=True, kw_only=True):
+    """Fork a worker; the worker's end of its socketpair travels with this frame (SCM_RIGHTS)."""
+
+    slot: int
+    uid: int
+    gid: int
+    workdir: str
+    context: bytes | None = None
+    """A pickled context replacing the zygote's for this worker only; None = inherit."""
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+# ---- zygote -> trainer ------------------------------------------------------------------------
+
+
+class Booted(msgspec.Struct, tag=True, kw_only=True):
+    pid: int
+    landlock_abi: int
+
+
+class BootFailed(msgspec.Struct, tag=True, kw_only=True):
+    error: str
+
+
+class Spawned(msgspec.Struct, tag=True, kw_only=True):
+    """A worker was forked; a pidfd for it travels with this frame."""
+
+    slot: int
+    pid: int
+
+
+class SpawnFailed(msgspec.Struct, tag=True, kw_only=True):
+    slot: int
+    error: str
+
+
+class Exited(msgspec.Struct, tag=True, kw_only=True):
+    """A worker was reaped; status is the raw wait status."""
+
+    pid: int
+    status: int
+
+
+# ---- trainer -> worker ------------------------------------------------------------------------
+
+
+class Exec(msgspec.Struct, tag=True, kw_only=True):
+    id: int
+    code: str
+
+
+class Answers(msgspec.Struct, tag=True, kw_only=True):
+    id: int
+    answers: list[str]
+
+
+# ---- worker -> trainer ------------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True, kw_only=True):
+    """The worker is jailed and waiting for code; error is set if jailing failed (it then exits)."""
+
+    error: str = ""
+
+
+class Query(msgspec.Struct, tag=True, kw_only=True):
+    id: int
+    prompts: list[str]
+    contexts: list[Any]
+    """One per prompt; None = the parent's context."""
+
+
+class Done(msgspec.Struct, tag=True, kw_only=True):
+    id: int
+    output: str
+    error: str
+    final: str | None
+    calls: list[ToolCall]
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_frame(message: msgspec.Struct) -> bytes:
+    body = _encoder.encode(message)
+    return HEADER.pack(len(body)) + body
+
+
+def send_frame(sock: socket.socket, message: msgspec.Struct, fds: list[int] | None = None) -> None:
+    """Blocking send of one frame, with file descriptors attached to its first byte if given."""
+    frame = encode_frame(message)
+    if fds:
+        sent = socket.send_fds(sock, [frame], fds)
+        frame = frame[sent:]
+    sock.sendall(frame)
+
+
+def _recv_exactly(sock: socket.socket, n: int, fds: list[int] | None) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        if fds is not None and not buf:
+            chunk, got, _, _ = socket.recv_fds(sock, n, 4)
+            fds.extend(got)
+        else:
+            chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(
+    sock: socket.socket,
+    decoder: msgspec.msgpack.Decoder,
+    max_bytes: int,
+    fds: list[int] | None = None,
+):
+    """Blocking receive of one frame; None at end of stream. Passing a list collects any file
+    descriptors sent with the frame. Raises ValueError for an oversized or malformed frame."""
+    header = _recv_exactly(sock, HEADER.size, fds)
+    if header is None:
+        return None
+    (size,) = HEADER.unpack(header)
+    if size > max_bytes:
+        raise ValueError(f"frame of {size} bytes exceeds the {max_bytes}-byte cap")
+    body = _recv_exactly(sock, size, None)
+    if body is None:
+        raise ValueError("stream ended inside a frame")
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed frame: {exc}") from None

@@ -1,0 +1,644 @@
+"""The REPL, trainer side: a zygote per task context and one jailed worker per session.
+
+    zygote = await Zygote.start(context=text, tool_modules=["my_env.tools"], limits=ReplLimits())
+    session = await zygote.session()
+    result = await session.exec("print(len(context))", on_query=handler)
+    await session.close(); await zygote.close()
+
+Design (process side in `rlmtrain.rlm.worker`, jail in `csrc/jail.c`):
+- The zygote is a fresh interpreter (`python -I -m rlmtrain.rlm.worker`), never a fork of the
+  multithreaded trainer. It loads the tools and the context once; every session is a fork of it,
+  so workers share the context copy-on-write. The zygote gets a scrubbed environment: the
+  trainer's API keys never reach model code.
+- Everything here is asyncio-native, with no thread per worker: the zygote's control socket is
+  read by a loop reader (it carries pidfds as SCM_RIGHTS), each worker's socket is a
+  StreamReader/StreamWriter pair, and a worker's exit is awaited on its pidfd.
+- Every frame a worker sends is checked (size cap, typed msgpack decoder, exec id, turn order);
+  anything else kills the worker. Workers are signalled through pidfds, so a recycled pid can
+  never be hit.
+- The exec timer runs only while the worker runs: time waiting for `on_query` (child RLM calls)
+  is not counted. A timeout kills the worker; the session is then dead (`ExecResult.dead`).
+- Each worker runs as its own unprivileged uid (`uid_base + slot`, the base derived from the
+  zygote's pid so that concurrent zygotes do not share uids) in its own empty directory under
+  the zygote's temporary root; both are released when the worker is gone.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from rlmtrain.rlm.builtins import MAX_RECORDED_CALLS, clip_text
+from rlmtrain.rlm.protocol import (
+    HEADER,
+    Answers,
+    Boot,
+    Booted,
+    BootFailed,
+    Done,
+    Exec,
+    Exited,
+    Query,
+    Ready,
+    Shutdown,
+    Spawn,
+    Spawned,
+    SpawnFailed,
+    WorkerLimits,
+    encode_frame,
+)
+from rlmtrain.rlm.records import ToolCall
+
+__all__ = ["DEFAULT_PRELOAD", "ExecResult", "QueryHandler", "ReplLimits", "Session", "Zygote"]
+
+log = logging.getLogger("rlmtrain")
+
+DEFAULT_PRELOAD = [
+    *("re", "json", "math", "cmath", "collections", "itertools", "functools", "operator"),
+    *("string", "textwrap", "difflib", "statistics", "random", "datetime", "time", "heapq"),
+    *("bisect", "copy", "pprint", "dataclasses", "typing", "fractions", "decimal", "hashlib"),
+    *("base64", "unicodedata", "csv", "io", "threading"),
+]
+"""Stdlib modules imported in the zygote so that model code can import them after the jail
+(the interpreter's own directory may be unreadable to a worker's uid)."""
+
+_UID_BASE = 1 << 30
+_MAX_SLOTS = 1 << 12
+_READY_TIMEOUT_S = 30.0
+_EXIT_REPORT_TIMEOUT_S = 2.0
+
+
+class ReplLimits(msgspec.Struct, kw_only=True):
+    exec_timeout_s: float = 30.0
+    """Wall clock per exec; time waiting for child rlm_query calls is excluded."""
+    memory_mb: int = 2048
+    """RLIMIT_AS of a worker."""
+    cpu_s: int = 600
+    """RLIMIT_CPU of a worker (its whole life)."""
+    output_limit_chars: int = 4000
+    """Printed output kept per exec (head + tail, with a note of what was cut)."""
+    max_file_bytes: int = 64 << 20
+    """RLIMIT_FSIZE."""
+    max_open_files: int = 64
+    """RLIMIT_NOFILE."""
+    max_frame_bytes: int = 64 << 20
+    """A bigger frame from a worker is a protocol violation: the worker is killed."""
+    max_threads: int = 32
+    """RLIMIT_NPROC of the worker's own uid: the threads it may run, its main thread included."""
+
+    def for_worker(self) -> WorkerLimits:
+        return WorkerLimits(
+            address_space=self.memory_mb << 20,
+            cpu_seconds=self.cpu_s,
+            open_files=self.max_open_files,
+            file_size=self.max_file_bytes,
+            threads=self.max_threads,
+            output_limit_chars=self.output_limit_chars,
+            max_frame_bytes=self.max_frame_bytes,
+        )
+
+
+class ExecResult(msgspec.Struct, kw_only=True):
+    output: str
+    """Captured stdout+stderr, truncated."""
+    error: str
+    """'' or the error text shown to the model (traceback tail, timeout, killed...)."""
+    final: str | None
+    """The answer if FINAL/FINAL_VAR executed in this exec, else None."""
+    calls: list[ToolCall]
+    """Tool and rlm_query calls made."""
+    dead: bool
+    """The worker is gone (timeout, limit, crash, protocol violation); the session is unusable."""
+
+
+QueryHandler = Callable[[list[str], list[Any | None]], Awaitable[list[str]]]
+"""(prompts, contexts) -> answers in order; a context of None means the parent's context. It
+never raises: failures are answer strings."""
+
+
+class _ProtocolViolation(Exception):
+    pass
+
+
+class _WorkerGone(Exception):
+    pass
+
+
+_worker_decoder = msgspec.msgpack.Decoder(Ready | Query | Done)
+_zygote_decoder = msgspec.msgpack.Decoder(Booted | BootFailed | Spawned | SpawnFailed | Exited)
+
+
+def _worker_env() -> dict[str, str]:
+    return {
+        "PATH": os.defpath,
+        "HOME": "/",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        # A BLAS thread pool started in the zygote would not survive the fork into workers.
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _describe_exit(status: int, limits: ReplLimits) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGSEGV:
+            return (
+                "the worker crashed with a segmentation fault (SIGSEGV), "
+                "e.g. from ctypes or a C stack overflow"
+            )
+        if sig == signal.SIGXCPU:
+            return f"the worker used up its CPU time limit of {limits.cpu_s} s (SIGXCPU)"
+        if sig == signal.SIGKILL:
+            return "the worker was killed (SIGKILL), e.g. out of memory or past its CPU hard limit"
+        return f"the worker died from signal {signal.Signals(sig).name}"
+    code = os.waitstatus_to_exitcode(status)
+    return f"the worker exited with status {code} (os._exit or a fatal interpreter error)"
+
+
+class _ControlChannel:
+    """The trainer's end of the zygote's control socket, read by an event-loop reader."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        on_message: Callable[[Any, list[int]], None],
+        on_eof: Callable[[], None],
+    ):
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.on_message = on_message
+        self.on_eof = on_eof
+        self.buffer = bytearray()
+        self.fds: list[int] = []
+        self.send_lock = asyncio.Lock()
+        sock.setblocking(False)
+        self.loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data, ancdata, _, _ = self.sock.recvmsg(
+                1 << 16, socket.CMSG_SPACE(4 * array.array("i").itemsize)
+            )
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, ancdata = b"", []
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                self.fds.extend(fds)
+        if not data:
+            self.close()
+            self.on_eof()
+            return
+        self.buffer += data
+        while len(self.buffer) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self.buffer)
+            if len(self.buffer) < HEADER.size + size:
+                break
+            message = _zygote_decoder.decode(bytes(self.buffer[HEADER.size : HEADER.size + size]))
+            del self.buffer[: HEADER.size + size]
+            self.on_message(message, self.fds)
+
+    async def send(self, message: msgspec.Struct, fd: int | None = None) -> None:
+        frame = encode_frame(message)
+        async with self.send_lock:
+            if fd is not None:
+                while True:
+                    try:
+                        sent = socket.send_fds(self.sock, [frame[: HEADER.size]], [fd])
+                        break
+                    except BlockingIOError:
+                        writable = self.loop.create_future()
+                        self.loop.add_writer(self.sock.fileno(), writable.set_result, None)
+                        try:
+                            await writable
+                        finally:
+                            self.loop.remove_writer(self.sock.fileno())
+                frame = frame[sent:]
+            await self.loop.sock_sendall(self.sock, frame)
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            self.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+
+
+class Zygote:
+    """One per task context: tools imported and context loaded once, then a fork per session."""
+
+    def __init__(self, *, process: asyncio.subprocess.Process, limits: ReplLimits, temp_root: str):
+        self._process = process
+        self.limits = limits
+        self.temp_root = temp_root
+        self._channel: _ControlChannel | None = None
+        self._booted: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._spawns: dict[int, asyncio.Future] = {}
+        self._by_pid: dict[int, Session] = {}
+        self._free_slots = list(range(_MAX_SLOTS - 1, -1, -1))
+        self._sessions: set[Session] = set()
+        self._counter = itertools.count()
+        self._uid_base = 0
+        self._closed = False
+
+    @classmethod
+    async def start(
+        cls,
+        *,
+        context: Any,
+        tool_modules: list[str],
+        limits: ReplLimits | None = None,
+        preload_modules: list[str] | None = None,
+        temp_dir: str | None = None,
+    ) -> Zygote:
+        """Start a zygote. preload_modules defaults to DEFAULT_PRELOAD; temp_dir is where the
+        zygote's temporary root goes (default: the system's)."""
+        limits = limits or ReplLimits()
+        if os.geteuid() != 0:
+            log.warning(
+                "REPL workers run as the trainer's uid (not root): no per-worker uid isolation"
+            )
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                "-m",
+                "rlmtrain.rlm.worker",
+                str(theirs.fileno()),
+                str(os.getpid()),
+                pass_fds=[theirs.fileno()],
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                env=_worker_env(),
+                start_new_session=True,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        zygote = cls(
+            process=process,
+            limits=limits,
+            temp_root=tempfile.mkdtemp(prefix="rlmtrain-repl-", dir=temp_dir),
+        )
+        zygote._channel = _ControlChannel(ours, zygote._on_message, zygote._on_eof)
+        try:
+            await zygote._channel.send(
+                Boot(
+                    sys_path=[os.path.abspath(p) for p in sys.path],
+                    preload_modules=list(
+                        DEFAULT_PRELOAD if preload_modules is None else preload_modules
+                    ),
+                    tool_modules=list(tool_modules),
+                    context=pickle.dumps(context, protocol=pickle.HIGHEST_PROTOCOL),
+                    limits=limits.for_worker(),
+                )
+            )
+            booted = await zygote._booted
+        except BaseException:
+            await zygote.close()
+            raise
+        zygote._uid_base = _UID_BASE + ((booted.pid & 0x3FFFF) << 12)
+        if booted.landlock_abi == 0:
+            log.warning("no Landlock in this kernel: REPL workers can write wherever their uid may")
+        return zygote
+
+    # ---- control channel --------------------------------------------------------------------
+
+    def _on_message(self, message: Any, fds: list[int]) -> None:
+        if isinstance(message, (Booted, BootFailed)):
+            if self._booted.done():
+                return
+            if isinstance(message, Booted):
+                self._booted.set_result(message)
+            else:
+                self._booted.set_exception(
+                    RuntimeError(f"REPL zygote failed to start: {message.error}")
+                )
+        elif isinstance(message, Spawned):
+            pidfd = fds.pop(0)
+            future = self._spawns.pop(message.slot, None)
+            if future is None or future.done():
+                os.close(pidfd)
+            else:
+                future.set_result((message.pid, pidfd))
+        elif isinstance(message, SpawnFailed):
+            future = self._spawns.pop(message.slot, None)
+            if future is not None and not future.done():
+                future.set_exception(
+                    RuntimeError(f"REPL zygote could not fork a worker: {message.error}")
+                )
+        elif isinstance(message, Exited):
+            # Dropped if the session is already released: a pid is reused only after the zygote
+            # reaped it, and it reports that reap before any later Spawned.
+            session = self._by_pid.pop(message.pid, None)
+            if session is not None and not session._status.done():
+                session._status.set_result(message.status)
+
+    def _on_eof(self) -> None:
+        error = RuntimeError("the REPL zygote exited")
+        for future in [self._booted, *self._spawns.values()]:
+            if not future.done():
+                future.set_exception(error)
+        self._spawns.clear()
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    async def session(self, *, context: Any | None = None) -> Session:
+        """Fork a jailed worker. context=None inherits the zygote's context (shared, not copied)."""
+        if self._closed or self._channel is None:
+            raise RuntimeError("the REPL zygote is closed")
+        if not self._free_slots:
+            raise RuntimeError(f"the REPL zygote already runs {_MAX_SLOTS} workers")
+        slot = self._free_slots.pop()
+        uid = self._uid_base + slot
+        workdir = os.path.join(self.temp_root, f"w{next(self._counter)}")
+        os.mkdir(workdir, 0o700)
+        pidfd = -1
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            if os.geteuid() == 0:
+                os.chown(workdir, uid, uid)
+            spawned = self._spawns[slot] = asyncio.get_running_loop().create_future()
+            payload = (
+                None if context is None else pickle.dumps(context, protocol=pickle.HIGHEST_PROTOCOL)
+            )
+            await self._channel.send(
+                Spawn(slot=slot, uid=uid, gid=uid, workdir=workdir, context=payload),
+                theirs.fileno(),
+            )
+            theirs.close()
+            pid, pidfd = await spawned
+            reader, writer = await asyncio.open_unix_connection(sock=ours)
+            session = Session(
+                zygote=self,
+                slot=slot,
+                pid=pid,
+                pidfd=pidfd,
+                workdir=workdir,
+                reader=reader,
+                writer=writer,
+            )
+        except BaseException:
+            theirs.close()
+            ours.close()
+            if pidfd >= 0:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.close(pidfd)
+            shutil.rmtree(workdir, ignore_errors=True)
+            self._free_slots.append(slot)
+            raise
+        self._sessions.add(session)
+        self._by_pid[pid] = session
+        try:
+            await session._await_ready()
+        except BaseException:
+            await session.close()
+            raise
+        return session
+
+    def live_workers(self) -> int:
+        return sum(1 for s in self._sessions if not s._gone.done())
+
+    def _release(self, session: Session) -> None:
+        self._sessions.discard(session)
+        if self._by_pid.get(session.pid) is session:
+            del self._by_pid[session.pid]
+        self._free_slots.append(session._slot)
+
+    async def close(self) -> None:
+        """Kill the zygote and every live worker, and remove their directories."""
+        if self._closed:
+            return
+        self._closed = True
+        for session in list(self._sessions):
+            await session.close()
+        if self._channel is not None:
+            with contextlib.suppress(OSError):
+                await asyncio.wait_for(self._channel.send(Shutdown()), 1.0)
+        try:
+            await asyncio.wait_for(self._process.wait(), 5.0)
+        except TimeoutError:
+            self._process.kill()
+            await self._process.wait()
+        if self._channel is not None:
+            self._channel.close()
+        shutil.rmtree(self.temp_root, ignore_errors=True)
+
+
+class Session:
+    """One jailed worker; its globals persist across execs. Execs run one at a time."""
+
+    def __init__(
+        self, *, zygote: Zygote, slot: int, pid: int, pidfd: int, workdir: str, reader, writer
+    ):
+        self._zygote = zygote
+        self._limits = zygote.limits
+        self._slot = slot
+        self.pid = pid
+        self._pidfd = pidfd
+        self.workdir = workdir
+        self._reader: asyncio.StreamReader = reader
+        self._writer: asyncio.StreamWriter = writer
+        self._lock = asyncio.Lock()
+        self._exec_ids = itertools.count(1)
+        self._death: str | None = None
+        self._closed = False
+        loop = asyncio.get_running_loop()
+        self._status: asyncio.Future[int] = loop.create_future()
+        """The worker's wait status, as the zygote reports it."""
+        self._gone: asyncio.Future[None] = loop.create_future()
+        """Done once the worker process has exited: its pidfd turns readable."""
+        loop.add_reader(pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        if not self._gone.done():
+            self._gone.set_result(None)
+
+    @property
+    def dead(self) -> bool:
+        return self._death is not None
+
+    async def _read_frame(self):
+        try:
+            header = await self._reader.readexactly(HEADER.size)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise _WorkerGone from exc
+        (size,) = HEADER.unpack(header)
+        if size > self._limits.max_frame_bytes:
+            raise _ProtocolViolation(
+                f"a {size}-byte frame, over the {self._limits.max_frame_bytes}-byte cap"
+            )
+        try:
+            body = await self._reader.readexactly(size)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise _WorkerGone from exc
+        try:
+            return _worker_decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise _ProtocolViolation(f"a malformed frame ({exc})") from None
+
+    async def _send(self, message: msgspec.Struct) -> None:
+        try:
+            self._writer.write(encode_frame(message))
+            await self._writer.drain()
+        except (ConnectionError, RuntimeError) as exc:
+            raise _WorkerGone from exc
+
+    async def _await_ready(self) -> None:
+        try:
+            message = await asyncio.wait_for(self._read_frame(), _READY_TIMEOUT_S)
+        except _WorkerGone:
+            raise RuntimeError(
+                f"REPL worker failed to start: {await self._explain_death()}"
+            ) from None
+        except (_ProtocolViolation, TimeoutError) as exc:
+            raise RuntimeError(f"REPL worker failed to start: {exc!r}") from None
+        if not isinstance(message, Ready):
+            raise RuntimeError(f"REPL worker failed to start: sent {type(message).__name__} first")
+        if message.error:
+            raise RuntimeError(f"REPL worker failed to jail itself: {message.error}")
+
+    async def _kill(self, reason: str) -> None:
+        if self._death is None:
+            self._death = reason
+        if not self._gone.done():
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        await asyncio.shield(self._gone)
+
+    async def _explain_death(self) -> str:
+        """The worker's socket closed: wait for its exit and say why it died."""
+        await asyncio.shield(self._gone)
+        if self._death is None:
+            try:
+                status = await asyncio.wait_for(
+                    asyncio.shield(self._status), _EXIT_REPORT_TIMEOUT_S
+                )
+                reason = _describe_exit(status, self._limits)
+            except TimeoutError:
+                reason = "the worker is gone (the zygote did not report how)"
+            if self._death is None:
+                self._death = f"REPL worker died: {reason}; this session is over."
+        return self._death
+
+    def _dead_result(self, calls: list[ToolCall] | None = None) -> ExecResult:
+        return ExecResult(
+            output="", error=self._death or "", final=None, calls=calls or [], dead=True
+        )
+
+    async def exec(self, code: str, on_query: QueryHandler | None = None) -> ExecResult:
+        """Run code in the worker. Returns dead=True (with the reason in error) if the worker is
+        or becomes unusable; raises only if on_query misbehaves (after killing the worker)."""
+        async with self._lock:
+            if self._closed:
+                return ExecResult(
+                    output="", error="this REPL session is closed", final=None, calls=[], dead=True
+                )
+            if self._death is not None:
+                return self._dead_result()
+            exec_id = next(self._exec_ids)
+            budget = self._limits.exec_timeout_s
+            loop = asyncio.get_running_loop()
+            try:
+                await self._send(Exec(id=exec_id, code=code))
+                while True:
+                    started = loop.time()
+                    try:
+                        message = await asyncio.wait_for(self._read_frame(), budget)
+                    except TimeoutError:
+                        await self._kill(
+                            f"exec timed out after {self._limits.exec_timeout_s:g} s of run time "
+                            "(time waiting for rlm_query not counted); "
+                            "the worker was killed and this session is over."
+                        )
+                        return self._dead_result()
+                    budget -= loop.time() - started
+                    if isinstance(message, Done) and message.id == exec_id:
+                        return ExecResult(
+                            output=clip_text(message.output, self._limits.output_limit_chars + 100),
+                            error=clip_text(message.error, self._limits.output_limit_chars + 100),
+                            final=message.final,
+                            calls=message.calls[: MAX_RECORDED_CALLS + 1],
+                            dead=False,
+                        )
+                    if (
+                        isinstance(message, Query)
+                        and message.id == exec_id
+                        and len(message.contexts) == len(message.prompts)
+                    ):
+                        await self._send(
+                            Answers(id=exec_id, answers=await self._answer(message, on_query))
+                        )
+                        continue
+                    raise _ProtocolViolation(f"an unexpected {type(message).__name__} frame")
+            except _ProtocolViolation as exc:
+                await self._kill(
+                    f"REPL worker broke the protocol ({exc}); "
+                    "it was killed and this session is over."
+                )
+                return self._dead_result()
+            except _WorkerGone:
+                await self._explain_death()
+                return self._dead_result()
+            except BaseException:
+                await self._kill("the exec was abandoned by the trainer")
+                raise
+
+    async def _answer(self, query: Query, on_query: QueryHandler | None) -> list[str]:
+        if on_query is None:
+            return ["rlm_query is not available in this session"] * len(query.prompts)
+        answers = await on_query(list(query.prompts), list(query.contexts))
+        if (
+            not isinstance(answers, list)
+            or len(answers) != len(query.prompts)
+            or not all(isinstance(a, str) for a in answers)
+        ):
+            raise TypeError(
+                f"QueryHandler must return a list of {len(query.prompts)} str answers, "
+                f"got {answers!r:.200}"
+            )
+        return answers
+
+    async def close(self) -> None:
+        """Kill the worker and remove its directory; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        # Kill first: an exec in progress then sees its worker gone and returns.
+        await self._kill("this REPL session is closed")
+        async with self._lock:
+            pass
+        self._writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self._writer.wait_closed()
+        os.close(self._pidfd)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self._zygote._release(self)
