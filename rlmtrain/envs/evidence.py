@@ -1,0 +1,175 @@
+"""Evidence selection (SPEC.md §2, seed 000): quote the passages of papers that answer a query.
+
+The REPL's `context` is a dict paper id -> {"title", "abstract", "text"}, the text parsed from
+PDF (noisy on purpose); the tools are `evidence_tools`. A task names its papers and its gold
+evidence spans (paper id, char offsets into the parsed text, the text itself); the papers live in
+a corpus JSONL (`envs.pdf.Paper` lines), by convention `corpus.jsonl` beside the task file.
+
+The system prompt carries both strategies of the seed: a single paper is searched with keyword
+variants, refined and answered with `extract_section` in 5-7 turns; a group of papers is
+triaged by the root, which sends one child per promising paper through `rlm_query_batched` and
+joins the children's passages. A child's `context` is a one-paper dict, so it follows the
+single-paper strategy with the same prompt.
+
+Reward: the character n-gram span F1 of the root's answer against the gold spans
+(`rewards.span_f1`), or the rubric judge's score when the env is built with one (its failures
+fall back or drop per `JudgeConfig.on_unscored`, never a silent 0). A root without an answer
+scores 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from rlmtrain.envs.base import Env, RewardResult, Task, read_tasks, register_env, root_answers
+
+if TYPE_CHECKING:
+    from rlmtrain.config import Config
+    from rlmtrain.envs.pdf import Paper
+    from rlmtrain.rewards.judge import RubricJudge
+    from rlmtrain.rlm.records import RolloutGroup
+
+__all__ = ["EVIDENCE_STRATEGY", "EvidenceEnv", "EvidenceSpan", "EvidenceTask"]
+
+CORPUS_FILE = "corpus.jsonl"
+
+
+class EvidenceSpan(msgspec.Struct, kw_only=True):
+    paper_id: str
+    start: int
+    """Character offset into the paper's parsed text."""
+    end: int
+    text: str
+    """text == paper.text[start:end]."""
+
+
+class EvidenceTask(Task, kw_only=True):
+    paper_ids: list[str]
+    """The papers put in the context, in this order."""
+    evidence: list[EvidenceSpan]
+    """The gold passages; a query may draw on several papers, not necessarily all."""
+    kind: str = ""
+    """The query family (datasets, baselines, results, limitation) for per-kind metrics."""
+
+
+EVIDENCE_STRATEGY = """\
+You select evidence from scientific papers. `context` is a dict mapping paper id -> \
+{"title", "abstract", "text"}; the text was parsed from PDF, so expect broken lines, running \
+headers and odd spacing. Answer the query with the passages of the papers that answer it, \
+quoted verbatim, each on its own line as "[paper id] passage". Quote whole sentences and \
+nothing that does not bear on the query.
+
+Strategy when `context` holds one paper (about 5-7 turns):
+1. search the text with several keyword variants taken from the query (singular and plural, \
+synonyms, the names it mentions) and print the snippets;
+2. search again around the most promising snippets (a more specific phrase, a larger window) \
+to see where the passage begins and ends;
+3. cut each passage out with extract_section(snippet, first words, last words) and finish \
+with FINAL_VAR on the variable holding the answer.
+
+Strategy when `context` holds several papers:
+1. list_papers(context) and search(context, keyword) with a few keyword variants to see which \
+papers mention what the query asks about; not every paper is relevant;
+2. for each paper worth reading, build a prompt from get_paper_abstract(context, paper_id) \
+and the query, and send all of them at once with rlm_query_batched(prompts, \
+[{paper_id: context[paper_id]} for each such paper]); each helper quotes the passages of its \
+one paper;
+3. join the helpers' non-empty answers, each prefixed with its paper id, and finish with \
+FINAL_VAR."""
+
+
+class EvidenceEnv(Env):
+    name = "evidence"
+    task_type = EvidenceTask
+
+    def __init__(self, corpus: dict[str, Paper] | None = None, *, judge: RubricJudge | None = None):
+        self.corpus: dict[str, Paper] = dict(corpus or {})
+        self.judge = judge
+
+    # -- data -----------------------------------------------------------------------------
+
+    def load_corpus(self, path: str | Path) -> None:
+        """Add the papers of a corpus JSONL (later files win on a repeated id)."""
+        from rlmtrain.envs.pdf import read_corpus
+
+        self.corpus.update(read_corpus(path))
+
+    def load_tasks(self, path: str | Path) -> list[EvidenceTask]:
+        """Read tasks and the `corpus.jsonl` beside them; every paper a task names must exist."""
+        path = Path(path)
+        corpus_path = path.parent / CORPUS_FILE
+        if corpus_path.is_file():
+            self.load_corpus(corpus_path)
+        tasks = list(read_tasks(path, EvidenceTask))
+        for task in tasks:
+            missing = [pid for pid in task.paper_ids if pid not in self.corpus]
+            if missing:
+                raise ValueError(
+                    f"{path}: task {task.id!r} names papers not in the corpus "
+                    f"({corpus_path}): {', '.join(missing[:5])}"
+                )
+        return tasks
+
+    # -- the RLM's view -------------------------------------------------------------------
+
+    def system_prompt(self) -> str:
+        return EVIDENCE_STRATEGY
+
+    def user_prompt(self, task: EvidenceTask, turn: int, max_turns: int) -> str:
+        n = len(task.paper_ids)
+        papers = "1 paper" if n == 1 else f"{n} papers"
+        return f"`context` holds {papers}.\n" + super().user_prompt(task, turn, max_turns)
+
+    def context(self, task: EvidenceTask) -> dict[str, dict[str, Any]]:
+        out = {}
+        for paper_id in task.paper_ids:
+            paper = self.corpus.get(paper_id)
+            if paper is None:
+                raise KeyError(f"task {task.id!r}: paper {paper_id!r} is not in the loaded corpus")
+            out[paper_id] = {"title": paper.title, "abstract": paper.abstract, "text": paper.text}
+        return out
+
+    def tool_modules(self) -> list[str]:
+        return ["rlmtrain.envs.evidence_tools"]
+
+    # -- reward ---------------------------------------------------------------------------
+
+    async def reward(self, task: EvidenceTask, group: RolloutGroup) -> RewardResult:
+        answers = root_answers(group)
+        truth = [span.text for span in task.evidence]
+        if self.judge is not None:
+            scores = await self.judge.score_many(task.query, truth, answers)
+            return RewardResult(
+                scores=[s.score for s in scores],
+                details=[{"method": s.method, "reason": s.reason} for s in scores],
+            )
+        from rlmtrain.rewards.span_f1 import span_f1
+
+        scores = [0.0 if a is None else span_f1(a, truth) for a in answers]
+        methods = ["no_answer" if a is None else "span_f1" for a in answers]
+        return RewardResult(scores=scores, details=[{"method": m} for m in methods])
+
+
+@register_env("evidence")
+def make_evidence_env(config: Config | None) -> EvidenceEnv:
+    """The evidence env of a run: the corpus beside `data.train_path` (and `data.eval_path`)
+    when set, and the rubric judge when the config has a `judge` section."""
+    env = EvidenceEnv(judge=_judge(config))
+    if config is not None:
+        for tasks_path in (config.data.train_path, config.data.eval_path):
+            corpus = Path(tasks_path).parent / CORPUS_FILE if tasks_path else None
+            if corpus is not None and corpus.is_file():
+                env.load_corpus(corpus)
+    return env
+
+
+def _judge(config: Config | None) -> RubricJudge | None:
+    judge_config = getattr(config, "judge", None)
+    if judge_config is None:
+        return None
+    from rlmtrain.rewards.judge import RubricJudge
+
+    return RubricJudge(judge_config)
