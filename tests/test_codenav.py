@@ -197,3 +197,12 @@ def test_answer_position():
     assert answer_position("line 12") is None and answer_position(None) is None
     with pytest.raises(FileNotFoundError, match="code base directory not found"):
         package_files("/nonexistent/dir")
+
+
+def test_exact_name_wins_over_suffix_matches():
+    code = tools.render_codebase(
+        [("m.py", "def parse():\n    a()\n\n\nclass P:\n    def parse(self):\n        b()\n")]
+    )
+    assert tools.goto_definition("parse", code=code) == ["m.py:1"]
+    assert tools.goto_definition("P.parse", code=code) == ["m.py:6"]
+    assert tools.list_calls("m.py:P.parse", code=code) == [("b", "m.py:7")]

@@ -120,10 +120,14 @@ class CodeIndex:
             self.definitions.extend(_definitions(path, tree))
 
     def find(self, name: str) -> list[Definition]:
+        """Definitions named exactly `name` if any, else those whose last parts match it;
+        "path.py:name" looks in that file only."""
         path, sep, qualname = name.rpartition(":")
+        scope = self.definitions
         if sep and path.endswith(".py"):
-            return [d for d in self.definitions if d.path == path and d.matches(qualname)]
-        return [d for d in self.definitions if d.matches(name)]
+            scope, name = [d for d in scope if d.path == path], qualname
+        exact = [d for d in scope if d.qualname == name]
+        return exact or [d for d in scope if d.matches(name)]
 
 
 _indexes: dict[int, tuple[str, CodeIndex]] = {}

@@ -1,0 +1,225 @@
+"""A scripted BookNavigator teacher: the code an expert would type, one block per turn.
+
+For SFT cold-start data (SPEC §5) a teacher must leave the same records a policy leaves, so it
+plays through the real trajectory loop and REPL: `ScriptedPolicy` is a `GenerateFn` that answers
+turn t with the t-th block of a plan, encoded by the student's tokenizer (its log-probs are 0: a
+deterministic policy). The plan never reads the REPL's output itself; what depends on the output
+is in the code (REPL variables persist between turns), which is also the habit the student should
+learn.
+
+The expert reads the problem, not the hidden reference: a rule per problem family names the
+notion to look up in the index and writes the proof from the numbers in the statement, citing
+the result it read. Turns: table of contents and index look-up; read the first hit; FINAL(proof).
+A problem no rule recognises raises ValueError naming it (a teacher that guesses would poison
+the SFT data).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rlmtrain.envs.base import Env, Task
+from rlmtrain.rlm.agent import (
+    Agent,
+    AgentLimits,
+    ChatTokenizer,
+    ChildCall,
+    root_trajectory,
+    run_trajectory,
+)
+from rlmtrain.rlm.generation import Completion, SamplingParams
+from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rlm.repl import ReplLimits, Zygote
+
+__all__ = ["ScriptedPolicy", "fenced_code", "plan", "prove", "run_scripted", "teach"]
+
+
+def _difference_of_powers(m: re.Match[str]) -> str:
+    d, a = int(m["d"]), int(m["a"])
+    if d != a - 1:
+        raise ValueError(f"booknav teacher: {d} is not {a} - 1 in {m.string!r}")
+    return (
+        f"By the difference-of-powers factorisation (Theorem 2.1) with b = 1, "
+        f"{a}^n - 1 = ({a} - 1)({a}^(n-1) + ... + {a} + 1) = {d} · ({a}^(n-1) + ... + 1). "
+        f"The second factor is an integer, so {d} divides {a}^n - 1 for every n >= 1."
+    )
+
+
+def _consecutive_product(m: re.Match[str]) -> str:
+    c, c1 = int(m["c"]), int(m["c1"])
+    if c1 != c + 1:
+        raise ValueError(f"booknav teacher: factors are not consecutive in {m.string!r}")
+    return (
+        f"The numbers n + {c} and n + {c1} are two consecutive integers, so by Lemma 2.3 "
+        f"exactly one of them is divisible by 2. Hence their product (n + {c})(n + {c1}) is even."
+    )
+
+
+def _linear_combination(m: re.Match[str]) -> str:
+    d, p, q = m["d"], m["p"], m["q"]
+    return (
+        f"Since {d} divides a and b, write a = {d}s and b = {d}t with integers s and t "
+        f"(Lemma 1.2). Then {p}a + {q}b = {d}({p}s + {q}t), and {p}s + {q}t is an integer, "
+        f"so {d} divides {p}a + {q}b."
+    )
+
+
+def _coprime_neighbours(m: re.Match[str]) -> str:
+    c, c1 = int(m["c"]), int(m["c1"])
+    if c1 != c + 1:
+        raise ValueError(f"booknav teacher: arguments are not consecutive in {m.string!r}")
+    return (
+        f"Let d be a common divisor of n + {c} and n + {c1}. By Lemma 1.2 d divides their "
+        f"difference (n + {c1}) - (n + {c}) = 1, so d = ±1. Hence gcd(n + {c}, n + {c1}) = 1, "
+        f"as in Lemma 3.2 on consecutive integers."
+    )
+
+
+def _congruent_powers(m: re.Match[str]) -> str:
+    x, r, mod = int(m["x"]), int(m["r"]), int(m["m"])
+    if (x - r) % mod:
+        raise ValueError(f"booknav teacher: {x} is not congruent to {r} mod {mod}")
+    return (
+        f"Since {x} - {r} = {x - r} = {mod} · {(x - r) // mod}, we have {x} ≡ {r} (mod {mod}). "
+        f"By Lemma 1.3 on powers of congruent numbers, {x}^k ≡ {r}^k (mod {mod}) for every k >= 1."
+    )
+
+
+_RULES: list[tuple[re.Pattern[str], str, Callable[[re.Match[str]], str]]] = [
+    (
+        re.compile(r"(?P<d>\d+) divides (?P<a>\d+)\^n - 1"),
+        "difference of powers",
+        _difference_of_powers,
+    ),
+    (
+        re.compile(r"\(n \+ (?P<c>\d+)\)\(n \+ (?P<c1>\d+)\) is even"),
+        "consecutive integers",
+        _consecutive_product,
+    ),
+    (
+        re.compile(r"(?P<d>\d+) divides (?P<p>\d+)a \+ (?P<q>\d+)b"),
+        "linear combinations",
+        _linear_combination,
+    ),
+    (
+        re.compile(r"gcd\(n \+ (?P<c>\d+), n \+ (?P<c1>\d+)\) = 1"),
+        "coprime",
+        _coprime_neighbours,
+    ),
+    (
+        re.compile(r"(?P<x>\d+)\^k ≡ (?P<r>\d+)\^k \(mod (?P<m>\d+)\)"),
+        "congruent",
+        _congruent_powers,
+    ),
+]
+
+
+def prove(problem: str) -> tuple[str, str]:
+    """(index keyword, proof) for a problem of a known family."""
+    for pattern, keyword, write_proof in _RULES:
+        match = pattern.search(problem)
+        if match:
+            return keyword, write_proof(match)
+    raise ValueError(f"booknav teacher: no rule for problem {problem!r}")
+
+
+def plan(problem: str) -> list[str]:
+    """The expert's code, one string per turn."""
+    keyword, proof = prove(problem)
+    return [
+        f"toc = get_toc()\nhits = search_index({keyword!r})",
+        "section = read_section(hits[0])\nprint(section)",
+        f"proof = {proof!r}\nFINAL(proof)",
+    ]
+
+
+def fenced_code(code: str) -> str:
+    return f"```python\n{code}\n```\n"
+
+
+class ScriptedPolicy:
+    """A `GenerateFn` playing one trajectory's plan: request t gets block t.
+
+    One instance per trajectory. Requests past the end of the plan are aborted (the trajectory
+    ends "aborted"), so a plan that failed in the REPL cannot pass for a finished one.
+    """
+
+    def __init__(self, blocks: list[str], tokenizer) -> None:
+        self.blocks = list(blocks)
+        self.tokenizer = tokenizer
+        self.requests = 0
+
+    async def __call__(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        turn = self.requests
+        self.requests += 1
+        if turn >= len(self.blocks):
+            return Completion(token_ids=[], logprobs=[], finish_reason="abort")
+        text = fenced_code(self.blocks[turn])
+        # Like an engine: generation ends on a stop string (kept in the ids, as vLLM does) or,
+        # failing one, on the end-of-turn token.
+        stops = [s for s in params.stop_strings if s in text]
+        if stops:
+            cut = min(text.index(s) + len(s) for s in stops)
+            ids = self.tokenizer.encode(text[:cut])
+        else:
+            ids = self.tokenizer.encode(text) + list(params.stop_token_ids[:1])
+        return Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")
+
+
+async def _no_children(calls: list[ChildCall]) -> list[str]:
+    # The scripted plans never call rlm_query; should one, it gets an answer, not a hang.
+    return ["[rlm_query is not available to a scripted teacher]" for _ in calls]
+
+
+async def run_scripted(
+    env: Env,
+    tasks: Sequence[Task],
+    plan_of: Callable[[str], list[str]],
+    tokenizer: ChatTokenizer,
+    *,
+    limits: AgentLimits | None = None,
+    repl_limits: ReplLimits | None = None,
+) -> list[RolloutGroup]:
+    """One root trajectory per task, played by `plan_of(task.query)` through the real REPL.
+
+    Tasks whose contexts are the same object (one book for many problems) share a zygote.
+    """
+    limits = limits or AgentLimits(max_turns=4)
+    by_context: dict[int, tuple[Any, list[Task]]] = {}
+    for task in tasks:
+        context = env.context(task)
+        by_context.setdefault(id(context), (context, []))[1].append(task)
+    groups: dict[str, RolloutGroup] = {}
+    for context, members in by_context.values():
+        zygote = await Zygote.start(
+            context=context, tool_modules=env.tool_modules(), limits=repl_limits
+        )
+        try:
+            for task in members:
+                agent = Agent(
+                    env=env,
+                    generate=ScriptedPolicy(plan_of(task.query), tokenizer),
+                    tokenizer=tokenizer,
+                    limits=limits,
+                )
+                root = root_trajectory(task.id, 0, task.query)
+                session = await zygote.session()
+                try:
+                    await run_trajectory(
+                        agent, root, task=task, session=session, spawn=_no_children
+                    )
+                finally:
+                    await session.close()
+                groups[task.id] = RolloutGroup(task=task, trajectories=[root])
+        finally:
+            await zygote.close()
+    return [groups[task.id] for task in tasks]
+
+
+async def teach(
+    env: Env, tasks: Sequence[Task], tokenizer: ChatTokenizer, **kwargs: Any
+) -> list[RolloutGroup]:
+    """Teacher trees for BookNavigator tasks (`run_scripted` with this module's `plan`)."""
+    return await run_scripted(env, tasks, plan, tokenizer, **kwargs)

@@ -1,0 +1,54 @@
+"""The scripted code-navigation teacher answers generated questions through the real jailed REPL
+and trajectory loop, on a package made here and on a stdlib package."""
+
+import asyncio
+import json as stdlib_json
+from pathlib import Path
+
+import pytest
+from test_codenav import package  # noqa: F401  (fixture)
+
+from rlmtrain.envs.codenav import CodeNavEnv, generate_tasks
+from rlmtrain.envs.codenav_teacher import parse_question, teach
+from rlmtrain.model.tokenizer import ByteTokenizer
+from rlmtrain.rlm.agent import AgentLimits
+from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rlm.repl import ReplLimits
+
+
+def solve(env, tasks) -> list[RolloutGroup]:
+    return asyncio.run(
+        teach(
+            env,
+            tasks,
+            ByteTokenizer(),
+            limits=AgentLimits(max_turns=4, max_prompt_tokens=32768),
+            repl_limits=ReplLimits(exec_timeout_s=10.0),
+        )
+    )
+
+
+def test_teacher_solves_every_question_on_a_small_package(package):  # noqa: F811
+    env = CodeNavEnv()
+    tasks = generate_tasks(package)
+    groups = solve(env, tasks)
+    for task, group in zip(tasks, groups, strict=True):
+        (root,) = group.trajectories
+        assert root.finish_reason == "final" and root.answer == task.answer, root.turns
+        names = [c.name for t in root.turns for c in t.tool_calls]
+        assert names == ["goto_definition", "list_calls"]
+        assert asyncio.run(env.reward(task, group)).scores == [1.0]
+
+
+def test_teacher_on_a_stdlib_package():
+    env = CodeNavEnv()
+    tasks = generate_tasks(Path(stdlib_json.__file__).parent, n=6, seed=2)
+    groups = solve(env, tasks)
+    assert [g.trajectories[0].answer for g in groups] == [t.answer for t in tasks]
+
+
+def test_parse_question():
+    task = generate_tasks(Path(stdlib_json.__file__).parent, n=1, seed=0)[0]
+    assert parse_question(task.query) == (task.caller_path, task.caller, task.callee)
+    with pytest.raises(ValueError, match="not a where-does-A-call-B question"):
+        parse_question("What does json do?")
