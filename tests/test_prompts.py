@@ -132,7 +132,7 @@ def test_tool_docs_come_from_signatures_and_docstrings():
 
 
 def test_tool_module_without_tools_is_named_in_the_error():
-    with pytest.raises(ValueError, match="'stat' defines neither TOOLS nor __all__"):
+    with pytest.raises(ValueError, match="'stat' has neither TOOLS nor __all__"):
         tool_docs(("stat",))
 
 

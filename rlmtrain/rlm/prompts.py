@@ -25,7 +25,6 @@ further when the chat-templated prompt is still over its token limit.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from functools import lru_cache
@@ -33,6 +32,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from rlmtrain.rlm.extract import CLOSE_FENCE, CODE_BLOCK_RULE, OPEN_FENCE
 from rlmtrain.rlm.records import Turn
+from rlmtrain.rlm.worker import load_tools
 
 __all__ = [
     "Message",
@@ -46,7 +46,6 @@ __all__ = [
     "shorten",
     "system_prompt",
     "tool_docs",
-    "tool_functions",
     "turn_messages",
 ]
 
@@ -83,30 +82,18 @@ class RLMEnv(Protocol):
 # ---------------------------------------------------------------------------------------------
 
 
-def tool_functions(module_name: str) -> list[Callable[..., Any]]:
-    """The tools a module exposes: its `TOOLS` list, else the callables named in `__all__`."""
-    module = importlib.import_module(module_name)
-    tools = getattr(module, "TOOLS", None)
-    if tools is None:
-        names = getattr(module, "__all__", None)
-        if names is None:
-            raise ValueError(f"tool module {module_name!r} defines neither TOOLS nor __all__")
-        tools = [getattr(module, name) for name in names]
-    for tool in tools:
-        if not callable(tool):
-            raise ValueError(f"tool module {module_name!r} lists {tool!r}, which is not callable")
-    return list(tools)
-
-
 @lru_cache(maxsize=64)
 def tool_docs(module_names: tuple[str, ...]) -> str:
-    """One entry per tool: `name(signature)` and its docstring, indented."""
+    """One entry per tool: `name(signature)` and its docstring, indented.
+
+    The tools are resolved by the worker's own `load_tools`, so the docs list exactly the names
+    the REPL injects.
+    """
     entries = []
-    for module_name in module_names:
-        for tool in tool_functions(module_name):
-            doc = inspect.getdoc(tool) or "(undocumented)"
-            body = "\n".join("    " + line if line else "" for line in doc.splitlines())
-            entries.append(f"{tool.__name__}{inspect.signature(tool)}\n{body}")
+    for name, tool in load_tools(list(module_names)).items():
+        doc = inspect.getdoc(tool) or "(undocumented)"
+        body = "\n".join("    " + line if line else "" for line in doc.splitlines())
+        entries.append(f"{name}{inspect.signature(tool)}\n{body}")
     return "\n\n".join(entries)
 
 
