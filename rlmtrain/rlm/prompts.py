@@ -13,9 +13,10 @@ accumulated, so turn t+1's prompt is not a prefix-extension of turn t's and each
 training sample. The newest REPL output and the fresh message share one user message because some
 chat templates (Gemma's, Mistral's) refuse two user messages in a row.
 
-A prompt is a pure function of (env, task or query, the trajectory's past `Turn` records, limits):
-history is rendered from the records alone (an assistant turn shows the code that ran, not the
-prose around it), so anyone holding the records can rebuild any turn's prompt exactly.
+A prompt is a pure function of (env, task or query, the trajectory's past `Turn` records, limits,
+history budget): history is rendered from the records alone (an assistant turn shows the code that
+ran, not the prose around it). Training never rebuilds prompts (each Turn keeps its exact ids),
+but teachers, evaluation and tests can.
 
 Budget: the history is kept under a character budget by shortening, oldest turn first, first
 the outputs to a head and tail, then the outputs entirely, then the code; the newest turn is
