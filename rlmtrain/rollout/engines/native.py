@@ -1,0 +1,154 @@
+"""The native engine: our Transformer behind continuous batching, on CPU or CUDA.
+
+Each step of the shared loop (`rollout.batching`) prefills the newly admitted prompts as one
+packed batch and decodes every running sequence by one token over the paged KV cache
+(`model.kv_cache`), then samples. Steps run in a single worker thread: torch releases the GIL
+inside its kernels, so the event loop keeps serving the scheduler and the REPL pipes while the
+model computes, and one thread keeps steps strictly ordered.
+
+Sampling is per request and independent of batching: logits are computed in fp32 from the final
+hidden state and `lm_head_weight`, scaled by the request's temperature, and the token is drawn
+with the request's own `torch.Generator` (seeded from `SamplingParams.seed`, or from the engine's
+seed stream when it is None), so a request samples the same tokens alone or among 63 others.
+top_k = 1 is greedy (argmax). The log-prob returned is that of the temperature-scaled full
+distribution, as `engine.py` specifies.
+
+Weight updates are applied by the step loop between two steps, so no step reads half-copied
+weights and no queued or running request is dropped; sequences in flight keep the keys and values
+they cached under the old weights (as vLLM does on an in-place update) and continue with the new.
+
+No prefix sharing: the KV cache admits each prompt into pages of its own and keeps no reference
+counts (`kv_cache.py`: "admission never shares a prefix"), so two sequences cannot point at the
+same pages without one's eviction freeing the other's. It would pay here (every turn's prompt
+starts with the same system prompt), and needs ref-counted pages in `KVCache` first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+from rlmtrain.model.hf import load_hf_tensors
+from rlmtrain.model.kv_cache import KVCache
+from rlmtrain.model.transformer import Transformer
+from rlmtrain.rollout.batching import BatchingEngine, Request
+from rlmtrain.rollout.engine import SamplingParams
+
+__all__ = ["NativeEngine"]
+
+
+class NativeEngine(BatchingEngine):
+    """Continuous batching over `model` with a paged KV cache of `kv_cache_tokens` tokens.
+
+    decode: the tokenizer's `decode`, needed only for requests with stop strings.
+    max_prefill_tokens: prompt tokens admitted per step at most (one request always is).
+    seed: the stream that seeds requests whose `SamplingParams.seed` is None.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        max_batch_size: int = 32,
+        kv_cache_tokens: int = 65536,
+        page_size: int = 16,
+        max_prefill_tokens: int | None = 4096,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        seed: int = 0,
+    ) -> None:
+        cache = KVCache.for_model(model, kv_cache_tokens, page_size=page_size)
+        super().__init__(
+            max_batch_size=max_batch_size,
+            kv_budget_tokens=cache.num_pages * cache.page_size,
+            max_prefill_tokens=max_prefill_tokens,
+            decode=decode,
+        )
+        self.model = model.eval()
+        self.cache = cache
+        self.device = model.embed_tokens.weight.device
+        self._seeds = random.Random(seed)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="native-engine")
+
+    # -- admission --------------------------------------------------------------------------
+
+    def _reservation(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        # The last sampled token is never fed back, but whole pages are what the cache hands out.
+        tokens = len(prompt_ids) + params.max_new_tokens
+        return math.ceil(tokens / self.cache.page_size) * self.cache.page_size
+
+    def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        super()._check_request(prompt_ids, params)
+        vocab = self.model.args.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+
+    # -- the step -----------------------------------------------------------------------------
+
+    async def _step(self, admitted: list[Request], running: list[Request]) -> None:
+        for request in admitted:
+            seed = request.params.seed
+            if seed is None:
+                seed = self._seeds.getrandbits(63)
+            request.state = torch.Generator(device=self.device).manual_seed(seed)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._step_sync, admitted, running)
+
+    @torch.inference_mode()
+    def _step_sync(self, admitted: list[Request], running: list[Request]) -> None:
+        hidden: list[Tensor] = []
+        if admitted:
+            prompts = [torch.tensor(r.prompt_ids, dtype=torch.long) for r in admitted]
+            hidden.append(self.model.prefill(self.cache, [r.seq_id for r in admitted], prompts))
+        if running:
+            tokens = torch.tensor([r.token_ids[-1] for r in running], dtype=torch.long)
+            hidden.append(self.model.decode(self.cache, [r.seq_id for r in running], tokens))
+        requests = [*admitted, *running]
+        logits = torch.cat(hidden).float() @ self.model.lm_head_weight.float().T  # [B, V] fp32
+        temperatures = torch.tensor([r.params.temperature for r in requests], device=self.device)
+        logprobs = torch.log_softmax(logits / temperatures[:, None], dim=-1)
+        for row, request in enumerate(requests):
+            token = _sample(logprobs[row], request.params, request.state)
+            request.token_ids.append(token)
+            request.logprobs.append(float(logprobs[row, token]))
+
+    def _release(self, request: Request) -> None:
+        # Runs on the event loop between steps, never while a step thread uses the cache.
+        if request.seq_id in self.cache:
+            self.cache.evict(request.seq_id)
+        request.state = None
+
+    async def _apply_weights(self, named_tensors: list[tuple[str, Tensor]]) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            self._executor,
+            lambda: load_hf_tensors(self.model, named_tensors, source="update_weights"),
+        )
+
+    async def close(self) -> None:
+        await super().close()
+        self._executor.shutdown(wait=True)
+
+
+def _sample(logprobs: Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from `logprobs[V]` (temperature already applied) under top-k / top-p."""
+    if params.top_k == 1:
+        return int(logprobs.argmax())
+    scores = logprobs
+    if params.top_k > 1 and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        mass_before = sorted_scores.softmax(-1).cumsum(-1) - sorted_scores.softmax(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = order[mass_before >= params.top_p]
+        scores = scores.index_fill(0, drop, -math.inf)
+    probs = scores.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
