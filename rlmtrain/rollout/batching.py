@@ -301,7 +301,5 @@ class BatchingEngine(abc.ABC):
             return
         self._stats.requests_done += 1
         request.future.set_result(
-            Completion(
-                token_ids=request.token_ids, logprobs=request.logprobs, finish_reason=reason
-            )
+            Completion(token_ids=request.token_ids, logprobs=request.logprobs, finish_reason=reason)
         )

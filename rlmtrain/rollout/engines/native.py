@@ -87,7 +87,7 @@ class NativeEngine(BatchingEngine):
         vocab = self.model.args.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the model's vocabulary [0, {vocab})")
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
     # -- the step -----------------------------------------------------------------------------
 
