@@ -21,6 +21,8 @@ statistics and yields no samples, nor do its descendants: an unscored answer is 
 group whose scored rewards are all equal has zero advantage everywhere; it is dropped when
 `drop_uniform_groups` is set, otherwise kept (its tokens still count, e.g. towards a KL term).
 A group with no scored root is always dropped. Every drop is counted in `AdvantageStats`.
+Uniformity is judged on root rewards alone: step rewards do not keep a group that
+`drop_uniform_groups` drops.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "GroupAdvantages",
     "compute_advantages",
     "group_advantages",
+    "refine_turns",
     "tree_of",
 ]
 
@@ -84,7 +87,7 @@ def group_advantages(
             raise ValueError(f"reward of root {i} is {r}; rewards must be finite or None")
     if not scored:
         return [None] * len(rewards)
-    if max(scored) == min(scored):
+    if _uniform(rewards):
         return [None if r is None else 0.0 for r in rewards]
     mean = math.fsum(scored) / len(scored)
     scale = 1.0
@@ -209,8 +212,9 @@ def _check_per_turn(traj: Trajectory, what: str, values: Sequence) -> None:
 
 
 def _uniform(rewards: Sequence[float | None]) -> bool:
+    """All scored rewards equal (exactly: the GRPO numerator is then exactly zero)."""
     scored = [r for r in rewards if r is not None]
-    return max(scored) == min(scored)
+    return bool(scored) and max(scored) == min(scored)
 
 
 def _task_id(group: RolloutGroup) -> str:

@@ -2,10 +2,11 @@
 
 Planning works on sample lengths only and is all numpy:
 
-1. First-fit-decreasing into bins of `budget` tokens. Samples of equal length are placed as one
+1. First-fit-decreasing into bins of `budget` tokens. Samples longer than budget/2 each open a
+   bin (no two fit together), all at once. Shorter samples of equal length are placed as one
    run: first fit puts such a run into the open bins in index order, each taking
    floor(room / L), then into new bins; that is what item-by-item FFD does, in one vectorised
-   step per distinct length (at most `budget` steps, not one per sample).
+   step per distinct length (at most budget/2 steps, not one per sample).
 2. An even bin count: while the count is not a multiple of `world_size`, the bin holding the most
    samples is split in two. Only when no bin has two samples left are empty micro-batches added
    (counted), since an empty micro-batch still costs every rank a forward/backward round.
@@ -152,12 +153,15 @@ def first_fit_decreasing(lengths: np.ndarray, budget: int) -> np.ndarray:
         raise ValueError(f"item {bad} has length {int(lengths[bad])}, outside 1..{budget}")
     order = np.argsort(-lengths, kind="stable")
     sorted_lengths = lengths[order]
-    run_starts = np.flatnonzero(np.r_[True, sorted_lengths[1:] != sorted_lengths[:-1]])
-    run_ends = np.r_[run_starts[1:], n]
     room = np.empty(n, dtype=np.int64)
-    n_bins = 0
     sorted_bins = np.empty(n, dtype=np.int64)
-    for start, end in zip(run_starts.tolist(), run_ends.tolist(), strict=True):
+    # Items over half the budget never fit beside an earlier (longer) one: one new bin each.
+    n_bins = int(np.count_nonzero(2 * sorted_lengths > budget))
+    sorted_bins[:n_bins] = np.arange(n_bins)
+    room[:n_bins] = budget - sorted_lengths[:n_bins]
+    rest_lengths = sorted_lengths[n_bins:]
+    run_bounds = np.r_[n_bins + np.flatnonzero(np.diff(rest_lengths, prepend=-1)), n].tolist()
+    for start, end in zip(run_bounds[:-1], run_bounds[1:], strict=True):
         length = int(sorted_lengths[start])
         count = end - start
         open_bins = np.flatnonzero(room[:n_bins] >= length)
@@ -204,10 +208,12 @@ def plan_packing(
     bins, splits = _split_to_multiple(bins, lengths, world_size)
     empty = -len(bins) % world_size
     bins += [np.empty(0, dtype=np.int64)] * empty
-    costs = (
-        cost_linear * lengths.astype(np.float64) + cost_quadratic * lengths.astype(np.float64) ** 2
-    )
-    bin_costs = np.array([costs[b].sum() for b in bins], dtype=np.float64)
+    as_float = lengths.astype(np.float64)
+    costs = cost_linear * as_float + cost_quadratic * as_float**2
+    sizes = np.fromiter((b.shape[0] for b in bins), dtype=np.int64, count=len(bins))
+    members = np.concatenate(bins) if bins else np.empty(0, dtype=np.int64)
+    owner = np.repeat(np.arange(len(bins)), sizes)
+    bin_costs = np.bincount(owner, weights=costs[members], minlength=len(bins))
     ranks, rank_costs = _deal(bin_costs, world_size)
     tokens = int(lengths.sum())
     stats = PackingStats(
@@ -283,10 +289,11 @@ def truncate_sample(sample: Sample, max_len: int) -> Sample | None:
     )
 
 
-def collate(samples: Sequence[Sample], indices: np.ndarray | None = None) -> MicroBatch:
+def collate(samples: Sequence[Sample], indices: Sequence[int] | None = None) -> MicroBatch:
     """Pack `samples[indices]` (all of them when indices is None) into one MicroBatch."""
     if indices is None:
         indices = np.arange(len(samples), dtype=np.int64)
+    indices = np.asarray(indices, dtype=np.int64)
     chosen = [samples[i] for i in indices.tolist()]
     count = len(chosen)
     lengths = np.fromiter((s.length for s in chosen), dtype=np.int64, count=count)
@@ -318,7 +325,7 @@ def collate(samples: Sequence[Sample], indices: np.ndarray | None = None) -> Mic
         cu_seqlens=torch.from_numpy(cu_seqlens),
         max_seqlen=int(lengths.max()) if count else 0,
         targets=torch.from_numpy(targets),
-        sample_indices=np.asarray(indices, dtype=np.int64),
+        sample_indices=indices,
         **per_token,
     )
 
