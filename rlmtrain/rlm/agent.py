@@ -134,7 +134,9 @@ class ChildCall(msgspec.Struct, kw_only=True):
 
 
 SpawnFn = Callable[[list[ChildCall]], Awaitable[list[str]]]
-"""Runs the children concurrently, returns `child_answer` of each in order; never hangs."""
+"""Runs the children concurrently and returns `child_answer` of each, in order. It must keep
+every call's trajectory record (the parent already lists its id in `children`), turn a failing
+child into an explanatory answer, and never hang; cancelling it must cancel the children."""
 
 
 @dataclass(frozen=True, kw_only=True)
