@@ -29,6 +29,8 @@ import re
 
 import msgspec
 
+from rlmtrain.rlm.generation import EngineFinishReason
+
 __all__ = [
     "CODE_BLOCK_RULE",
     "CLOSE_FENCE",
@@ -59,7 +61,7 @@ class Extraction(msgspec.Struct, kw_only=True, frozen=True):
     """'' when code runs; otherwise the message shown to the model as this turn's output."""
 
 
-def extract_code(text: str, *, finish_reason: str = "stop") -> Extraction:
+def extract_code(text: str, *, finish_reason: EngineFinishReason = "stop") -> Extraction:
     """The code of the first ```python block of `text`, by the rule in the module docstring.
 
     `finish_reason` is the engine's ("stop" | "length" | "abort"): it decides whether a block
