@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 
 import pytest
 from test_judge import JudgeServer, completion
@@ -10,6 +11,7 @@ from test_rewards_shaping import QUERY, step_turns
 from rlmtrain.rewards.chat_client import JudgeConfig
 from rlmtrain.rewards.step_rubric import StepRubricJudge, heuristic_step_scores
 from rlmtrain.rewards.tool_credit import ToolCreditJudge, rule_labels
+from rlmtrain.rlm.records import RolloutGroup, Trajectory
 
 
 @pytest.fixture
@@ -70,3 +72,41 @@ def test_step_rubric_falls_back_to_heuristic(server):
     expected = heuristic_step_scores("case:down " + QUERY, turns)
     assert [s.total for s in result.scores] == [s.total for s in expected]
     assert server.count("down") == 3
+
+
+def test_label_group_asks_once_per_trajectory(server):
+    def label_every_step(nth, body):
+        steps = len(re.findall(r"^Step \d+$", body["messages"][-1]["content"], re.M))
+        return 200, completion(json.dumps({"labels": [1] * steps}))
+
+    server.handlers["tree"] = label_every_step
+    turns = step_turns()
+
+    def traj(id_, parent, prompt, turns):
+        return Trajectory(
+            id=id_,
+            root_id="r",
+            parent_id=parent,
+            depth=0 if parent is None else 1,
+            task_id="t",
+            sample_idx=0,
+            prompt=prompt,
+            turns=turns,
+        )
+
+    group = RolloutGroup(
+        task={},
+        trajectories=[
+            traj("r", None, "case:tree root", turns),
+            traj("r.0", "r", "case:tree child", turns[:2]),
+        ],
+    )
+    judge = ToolCreditJudge(config(server))
+    labels = asyncio.run(judge.label_group(group))
+    assert {k: (v.method, v.labels) for k, v in labels.items()} == {
+        "r": ("judge", [1] * 5),
+        "r.0": ("judge", [1, 1]),
+    }
+    assert server.count("tree") == 2
+    again = asyncio.run(judge.label_group(group))  # a new event loop, same client
+    assert again == labels and judge.client.stats.cache_hits == 2

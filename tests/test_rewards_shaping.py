@@ -11,8 +11,13 @@ from rlmtrain.rewards.exploration import (
     tree_turns,
 )
 from rlmtrain.rewards.novelty import novelty, word_ngrams
-from rlmtrain.rewards.step_rubric import StepRubricWeights, heuristic_step_scores, query_keywords
-from rlmtrain.rewards.tool_credit import rule_labels
+from rlmtrain.rewards.step_rubric import (
+    StepRubricWeights,
+    heuristic_step_rewards,
+    heuristic_step_scores,
+    query_keywords,
+)
+from rlmtrain.rewards.tool_credit import rule_credit, rule_labels
 from rlmtrain.rlm.records import RolloutGroup, ToolCall, Trajectory, Turn
 
 
@@ -164,3 +169,35 @@ def test_step_coherence_from_previous_output_word_and_custom_weights():
     assert second.coherence == 1.0
     assert second.total == pytest.approx(0.3 * 0.0 + 0.4 * 1.0 + 0.3 * 1.0 - 0.5)
     assert heuristic_step_scores("the and", [turn("x=1", "")])[0].relevance == 1.0
+
+
+def test_group_level_credit_and_step_rewards_by_trajectory_id():
+    root = Trajectory(
+        id="r",
+        root_id="r",
+        parent_id=None,
+        depth=0,
+        task_id="t",
+        sample_idx=0,
+        prompt=QUERY,
+        turns=step_turns(),
+        children=["r.0"],
+    )
+    child = Trajectory(
+        id="r.0",
+        root_id="r",
+        parent_id="r",
+        depth=1,
+        task_id="t",
+        sample_idx=0,
+        prompt="read section 2.3",
+        turns=[turn("print(read_section('2.3'))", "2.3 Infinitude of primes", calls=[("x", "")])],
+    )
+    group = RolloutGroup(task={}, trajectories=[root, child])
+    credit = rule_credit(group)
+    assert credit == {"r": rule_labels(root.turns), "r.0": [1]}
+    steps = heuristic_step_rewards(group)
+    assert steps["r"] == pytest.approx([0.725, 0.725, 0.025, 0.5, -0.05])
+    # child: keywords {read, section}; the code's word is `read_section` (\w+ keeps it whole),
+    # so relevance 0; all output new; first turn -> 0.3·0 + 0.4·1 + 0.3·1 − 0.05.
+    assert steps["r.0"] == pytest.approx([0.65])

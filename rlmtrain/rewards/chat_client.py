@@ -265,6 +265,7 @@ class ChatClient:
         if self._cache_file is not None and self._cache_file.exists():
             self._load_cache(self._cache_file)
         self._semaphore: asyncio.Semaphore | None = None
+        self._semaphore_loop: asyncio.AbstractEventLoop | None = None
 
     def _load_cache(self, path: Path) -> None:
         decoder = msgspec.json.Decoder(_CacheLine)
@@ -311,8 +312,12 @@ class ChatClient:
             else:
                 self.stats.cache_hits += 1
                 return reply
-        if self._semaphore is None:
+        loop = asyncio.get_running_loop()
+        if self._semaphore is None or self._semaphore_loop is not loop:
+            # A semaphore belongs to one event loop; a client reused under a new loop
+            # (asyncio.run per step, tests) gets a fresh one.
             self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
+            self._semaphore_loop = loop
         body = self._request_body(messages)
         last_error = ""
         delay_s = 0.0

@@ -25,20 +25,23 @@ judgement). When the judge cannot answer, the heuristic values are used and `met
 from __future__ import annotations
 
 import ast
+import asyncio
 from typing import Annotated, Literal
 
 import msgspec
 
 from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored
 from rlmtrain.rewards.novelty import novelty, words
-from rlmtrain.rlm.records import Turn
+from rlmtrain.rlm.records import RolloutGroup, Turn
 
 __all__ = [
     "STEP_RUBRIC_SYSTEM_PROMPT",
+    "JudgedSteps",
     "StepRubricJudge",
     "StepRubricWeights",
     "StepScore",
     "combine",
+    "heuristic_step_rewards",
     "heuristic_step_scores",
     "query_keywords",
 ]
@@ -144,6 +147,17 @@ def heuristic_step_scores(
     return scores
 
 
+def heuristic_step_rewards(
+    group: RolloutGroup, weights: StepRubricWeights | None = None
+) -> dict[str, list[float]]:
+    """Per-turn totals of every trajectory of a group, each scored against its own prompt, by
+    trajectory id (the shape `algo.advantages.compute_advantages` takes as `step_rewards`)."""
+    return {
+        t.id: [s.total for s in heuristic_step_scores(t.prompt, t.turns, weights)]
+        for t in group.trajectories
+    }
+
+
 STEP_RUBRIC_SYSTEM_PROMPT = """\
 You rate the steps of an agent that answers a query by running Python code with tools.
 For each step, in order, give two integers from 0 to 10:
@@ -202,6 +216,13 @@ class StepRubricJudge:
             for r, h in zip(reply.steps, heuristic, strict=True)
         ]
         return JudgedSteps(scores=scores, method="judge")
+
+    async def score_group(self, group: RolloutGroup) -> dict[str, JudgedSteps]:
+        """Scores of every trajectory of a group, concurrently; `{id: [s.total for s in
+        r.scores]}` is `compute_advantages`'s `step_rewards`."""
+        trajectories = group.trajectories
+        results = await asyncio.gather(*(self.score(t.prompt, t.turns) for t in trajectories))
+        return {t.id: r for t, r in zip(trajectories, results, strict=True)}
 
 
 def _step_messages(query: str, turns: list[Turn], output_chars: int = 800) -> list[dict[str, str]]:

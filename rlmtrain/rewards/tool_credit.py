@@ -19,6 +19,7 @@ this module only produces the labels, from two sources:
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 import msgspec
@@ -26,13 +27,14 @@ import msgspec
 from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored
 from rlmtrain.rewards.exploration import call_key, tool_calls
 from rlmtrain.rewards.novelty import novelty
-from rlmtrain.rlm.records import Turn
+from rlmtrain.rlm.records import RolloutGroup, Turn
 
 __all__ = [
     "TOOL_CREDIT_SYSTEM_PROMPT",
     "CreditLabels",
     "ToolCreditJudge",
     "credit_messages",
+    "rule_credit",
     "rule_labels",
 ]
 
@@ -80,6 +82,14 @@ def rule_labels(turns: list[Turn], *, novelty_threshold: float = 0.5) -> list[in
     return labels
 
 
+def rule_credit(group: RolloutGroup, *, novelty_threshold: float = 0.5) -> dict[str, list[int]]:
+    """`rule_labels` of every trajectory of a group, by trajectory id (the shape
+    `algo.advantages.compute_advantages` takes as `tool_credit`)."""
+    return {
+        t.id: rule_labels(t.turns, novelty_threshold=novelty_threshold) for t in group.trajectories
+    }
+
+
 def credit_messages(query: str, turns: list[Turn], output_chars: int = 800) -> list[dict[str, str]]:
     steps = []
     for i, turn in enumerate(turns, 1):
@@ -123,3 +133,10 @@ class ToolCreditJudge:
             labels = rule_labels(turns, novelty_threshold=self.novelty_threshold)
             return CreditLabels(labels=labels, method="rules", reason=reply.reason)
         return CreditLabels(labels=list(reply.labels), method="judge")
+
+    async def label_group(self, group: RolloutGroup) -> dict[str, CreditLabels]:
+        """Labels of every trajectory of a group (roots and children, each against its own
+        prompt), concurrently; `{id: r.labels}` is `compute_advantages`'s `tool_credit`."""
+        trajectories = group.trajectories
+        results = await asyncio.gather(*(self.label(t.prompt, t.turns) for t in trajectories))
+        return {t.id: r for t, r in zip(trajectories, results, strict=True)}
