@@ -26,7 +26,12 @@ from .grpo_loss import (
     finalize_metrics,
     grpo_forward,
 )
-from .logprob import check_linear_inputs, logprob_backward_triton, logprob_forward_triton
+from .logprob import (
+    check_backend_dtype,
+    check_linear_inputs,
+    logprob_backward_triton,
+    logprob_forward_triton,
+)
 
 __all__ = ["fused_linear_grpo_loss"]
 
@@ -185,6 +190,7 @@ def fused_linear_grpo_loss(
     )
     check_grpo_options(beta, ref_logp, clip_low, clip_high, dual_clip, sampler_logp, tis_cap)
     backend = resolve_impl(impl, hidden.device, op)
+    check_backend_dtype(op, backend, hidden.dtype)
     grad_on = torch.is_grad_enabled()
     loss, sums, entropy = LinearGRPOLossFunction.apply(
         hidden.contiguous(),

@@ -11,7 +11,12 @@ import torch
 from . import reference
 from ._backend import resolve_impl
 from .grpo_loss import check_token_tensors
-from .logprob import check_linear_inputs, logprob_backward_triton, logprob_forward_triton
+from .logprob import (
+    check_backend_dtype,
+    check_linear_inputs,
+    logprob_backward_triton,
+    logprob_forward_triton,
+)
 
 __all__ = ["fused_linear_nll"]
 
@@ -118,6 +123,7 @@ def fused_linear_nll(
     check_linear_inputs(op, hidden, weight, targets, temperature)
     check_token_tensors(op, hidden.shape[0], hidden.device, weights=weights)
     backend = resolve_impl(impl, hidden.device, op)
+    check_backend_dtype(op, backend, hidden.dtype)
     grad_on = torch.is_grad_enabled()
     loss, entropy = LinearNLLFunction.apply(
         hidden.contiguous(),

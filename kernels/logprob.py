@@ -27,14 +27,22 @@ from ._backend import resolve_impl, triton_interpreting
 
 __all__ = ["fused_linear_logprob"]
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _tile_config(device: torch.device) -> dict[str, int]:
     if device.type == "cpu" and triton_interpreting():
-        # tl.dot needs every block dimension >= 16; the interpreter is slow, so stay minimal.
-        return dict(BLOCK_N=16, BLOCK_V=32, BLOCK_H=16)
+        # The interpreter's cost is per operation, not per element, so fewer, larger tiles run
+        # faster; these still leave partial row, vocabulary and hidden tiles at the test shapes.
+        return dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32)
     return dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64)
+
+
+def _upcast_dot_operands(device: torch.device, dtype: torch.dtype) -> bool:
+    # Triton 3.9's interpreter returns garbage from tl.dot on bf16 operands (their bits are
+    # multiplied as if they were another type). Upcasting there is exact: a bf16 product fits
+    # fp32, and the accumulator is fp32 either way. Compiled kernels keep bf16 tensor-core dots.
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -56,6 +64,7 @@ def _logit_tile(
     stride_wv,
     stride_wh,
     inv_t,
+    UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -75,6 +84,9 @@ def _logit_tile(
             mask=col_mask[:, None] & h_mask[None, :],
             other=0.0,
         )
+        if UPCAST_DOT:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc * inv_t
 
@@ -99,6 +111,7 @@ def _logprob_fwd_kernel(
     n_row_tiles,
     tiles_per_split,
     WITH_ENTROPY: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -121,7 +134,7 @@ def _logprob_fwd_kernel(
         col_mask = cols < V
         z = _logit_tile(
             X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
-            stride_wh, inv_t, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+            stride_wh, inv_t, UPCAST_DOT, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
         )  # fmt: skip
         z = tl.where(col_mask[None, :], z, 0.0)
         masked_z = tl.where(col_mask[None, :], z, float("-inf"))
@@ -166,6 +179,7 @@ def _logprob_bwd_kernel(
     WITH_ENTROPY: tl.constexpr,
     NEED_DX: tl.constexpr,
     NEED_DW: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -184,7 +198,7 @@ def _logprob_bwd_kernel(
 
     z = _logit_tile(
         X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
-        stride_wh, inv_t, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+        stride_wh, inv_t, UPCAST_DOT, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
     )  # fmt: skip
     p = tl.where(col_mask[None, :], tl.exp(z - lse[:, None]), 0.0)
     hit = cols[None, :] == t[:, None]
@@ -194,6 +208,8 @@ def _logprob_bwd_kernel(
         mean_z = tl.load(MEANZ_ptr + rows, mask=row_mask, other=0.0)
         dz += ge[:, None] * p * (mean_z[:, None] - z)
     dz = (dz * inv_t).to(X_ptr.dtype.element_ty)
+    if UPCAST_DOT:
+        dz = dz.to(tl.float32)
 
     for h0 in range(0, H, BLOCK_H):
         hs = h0 + tl.arange(0, BLOCK_H)
@@ -204,6 +220,8 @@ def _logprob_bwd_kernel(
                 mask=col_mask[:, None] & h_mask[None, :],
                 other=0.0,
             )
+            if UPCAST_DOT:
+                w = w.to(tl.float32)
             dx = tl.dot(dz, w, input_precision=DOT_PRECISION)
             tl.atomic_add(
                 DX_ptr + rows[:, None] * H + hs[None, :],
@@ -217,6 +235,8 @@ def _logprob_bwd_kernel(
                 mask=row_mask[:, None] & h_mask[None, :],
                 other=0.0,
             )
+            if UPCAST_DOT:
+                x = x.to(tl.float32)
             dw = tl.dot(tl.trans(dz), x, input_precision=DOT_PRECISION)
             tl.atomic_add(
                 DW_ptr + cols[:, None] * H + hs[None, :],
@@ -277,6 +297,7 @@ def logprob_forward_triton(
         n_row_tiles,
         tiles_per_split,
         WITH_ENTROPY=with_entropy,
+        UPCAST_DOT=_upcast_dot_operands(hidden.device, hidden.dtype),
         DOT_PRECISION=_dot_precision(hidden.dtype),
         **cfg,
     )
@@ -345,6 +366,7 @@ def logprob_backward_triton(
         WITH_ENTROPY=with_entropy,
         NEED_DX=need_grad_hidden,
         NEED_DW=need_grad_weight,
+        UPCAST_DOT=_upcast_dot_operands(hidden.device, hidden.dtype),
         DOT_PRECISION=_dot_precision(hidden.dtype),
         **cfg,
     )
@@ -497,6 +519,13 @@ def check_linear_inputs(
         raise ValueError(f"{op}: temperature must be > 0, got {temperature}")
 
 
+def check_backend_dtype(op: str, backend: str, dtype: torch.dtype) -> None:
+    if backend == "triton" and dtype == torch.float64:
+        raise ValueError(
+            f"{op}: float64 inputs run on impl='torch' only (they exist for gradcheck)"
+        )
+
+
 def fused_linear_logprob(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -510,7 +539,8 @@ def fused_linear_logprob(
     """log softmax(hidden @ weight.T / temperature)[i, targets[i]] without the [N, V] logits.
 
     Args:
-        hidden: [N, H] bf16, fp16 or fp32 (the last hidden states, packed, no batch dim).
+        hidden: [N, H] bf16, fp16 or fp32 (the last hidden states, packed, no batch dim);
+            fp64 runs on impl="torch" only and then computes and returns fp64 (for gradcheck).
         weight: [V, H] same dtype as hidden (the LM head).
         targets: [N] int32/int64 token ids in [0, V), or `ignore_index`.
         temperature: divides the logits (sampling temperature of the rollouts).
@@ -524,6 +554,7 @@ def fused_linear_logprob(
     """
     check_linear_inputs("fused_linear_logprob", hidden, weight, targets, temperature)
     backend = resolve_impl(impl, hidden.device, "fused_linear_logprob")
+    check_backend_dtype("fused_linear_logprob", backend, hidden.dtype)
     logp, entropy = LinearLogprobFunction.apply(
         hidden.contiguous(),
         weight.contiguous(),

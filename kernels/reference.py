@@ -5,6 +5,7 @@ Log-probs of a linear head never need the [N, V] logits at once. Rows are proces
 `chunk_rows`; within a block the vocabulary is walked in tiles of `chunk_vocab` columns with an
 online log-sum-exp in fp32 (running max starting at -inf), so peak extra memory is
 O(chunk_rows * chunk_vocab + V * H): the fp32 logit tile plus an fp32 copy of a bf16 weight.
+(fp64 inputs are computed in fp64 so that `torch.autograd.gradcheck` can check this backend.)
 Logits are always formed from fp32 operands, so they are never rounded to bf16 before the softmax
 (rounding them cost real runs 4-23% gradient error).
 
@@ -104,8 +105,9 @@ def _block_stats(
     return lse, target_z, mean_z, reusable
 
 
-def _as_fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs; fp64 inputs stay fp64 (for gradcheck)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def linear_logprob_forward(
@@ -125,15 +127,16 @@ def linear_logprob_forward(
     chunk_rows = chunk_rows or default_rows
     chunk_vocab = chunk_vocab or default_vocab
     inv_t = 1.0 / temperature
-    w32 = _as_fp32(weight)
-    logp = hidden.new_empty(n, dtype=torch.float32)
-    lse = hidden.new_empty(n, dtype=torch.float32)
-    entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
+    acc = _accumulation_dtype(hidden.dtype)
+    w32 = weight.to(acc)
+    logp = hidden.new_empty(n, dtype=acc)
+    lse = hidden.new_empty(n, dtype=acc)
+    entropy = hidden.new_empty(n if with_entropy else 0, dtype=acc)
     for r0 in range(0, n, chunk_rows):
         rows = slice(r0, r0 + chunk_rows)
         t = targets[rows]
         block_lse, target_z, mean_z, _ = _block_stats(
-            _as_fp32(hidden[rows]), w32, t, inv_t, chunk_vocab, with_entropy
+            hidden[rows].to(acc), w32, t, inv_t, chunk_vocab, with_entropy
         )
         valid = t != ignore_index
         lse[rows] = block_lse
@@ -224,20 +227,21 @@ def linear_logprob_backward(
     chunk_rows = chunk_rows or default_rows
     chunk_vocab = chunk_vocab or default_vocab
     inv_t = 1.0 / temperature
-    w32 = _as_fp32(weight)
+    acc = _accumulation_dtype(hidden.dtype)
+    w32 = weight.to(acc)
     valid = targets != ignore_index
-    g = torch.where(valid, grad_logp.float(), 0.0) if grad_logp is not None else None
-    if g is None:
-        g = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    ge = torch.where(valid, grad_entropy.float(), 0.0) if grad_entropy is not None else None
+    g = torch.zeros(n, dtype=acc, device=hidden.device)
+    if grad_logp is not None:
+        g = torch.where(valid, grad_logp.to(acc), 0.0)
+    ge = torch.where(valid, grad_entropy.to(acc), 0.0) if grad_entropy is not None else None
     mean_z = lse - entropy if ge is not None else None
-    grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
-    grad_weight = torch.zeros(v, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
+    grad_weight = torch.zeros(v, hidden.shape[1], dtype=acc, device=hidden.device)
     grad_weight = grad_weight if need_grad_weight else None
     for r0 in range(0, n, chunk_rows):
         rows = slice(r0, r0 + chunk_rows)
         grad_hidden[rows] = _block_grads(
-            _as_fp32(hidden[rows]),
+            hidden[rows].to(acc),
             w32,
             targets[rows],
             lse[rows],
@@ -277,24 +281,25 @@ def linear_logprob_row_grads(
     chunk_rows = chunk_rows or default_rows
     chunk_vocab = chunk_vocab or default_vocab
     inv_t = 1.0 / temperature
-    w32 = _as_fp32(weight)
-    logp = hidden.new_empty(n, dtype=torch.float32)
-    entropy = hidden.new_empty(n if with_entropy else 0, dtype=torch.float32)
-    grad_hidden = hidden.new_empty(hidden.shape, dtype=torch.float32) if need_grads else None
+    acc = _accumulation_dtype(hidden.dtype)
+    w32 = weight.to(acc)
+    logp = hidden.new_empty(n, dtype=acc)
+    entropy = hidden.new_empty(n if with_entropy else 0, dtype=acc)
+    grad_hidden = hidden.new_empty(hidden.shape, dtype=acc) if need_grads else None
     grad_weight = None
     if need_grads and need_grad_weight:
-        grad_weight = torch.zeros(v, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(v, hidden.shape[1], dtype=acc, device=hidden.device)
     for r0 in range(0, n, chunk_rows):
         rows = slice(r0, min(r0 + chunk_rows, n))
         t = targets[rows]
-        x32 = _as_fp32(hidden[rows])
+        x32 = hidden[rows].to(acc)
         lse, target_z, mean_z, z = _block_stats(x32, w32, t, inv_t, chunk_vocab, with_entropy)
         valid = t != ignore_index
         logp[rows] = torch.where(valid, target_z - lse, 0.0)
         if with_entropy:
             entropy[rows] = torch.where(valid, lse - mean_z, 0.0)
         if need_grads:
-            g = torch.where(valid, row_grad(rows, logp[rows]), 0.0)
+            g = torch.where(valid, row_grad(rows, logp[rows]).to(acc), 0.0)
             grad_hidden[rows] = _block_grads(
                 x32, w32, t, lse, g, None, None, inv_t, chunk_vocab, grad_weight, z
             )

@@ -1,0 +1,264 @@
+"""fused_linear_logprob against an fp64 full-logits ground truth, with tolerances set by torch's
+own error at the same input dtype. The Triton cases run the real kernels (in the interpreter on
+CPU, compiled on CUDA when a GPU is present)."""
+
+import pytest
+import torch
+from rlmtrain.kernels import KernelBackendUnavailable, fused_linear_logprob, reference
+from rlmtrain.kernels._backend import resolve_impl
+
+IGNORE = -100
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def full_logits_logprob(hidden, weight, targets, temperature):
+    """What an unfused trainer computes: [N, V] logits in the input dtype, softmax in fp32 (fp64
+    for fp64 inputs). Returns (logp, entropy) with ignored rows set to 0."""
+    logits = (hidden @ weight.T).to(torch.promote_types(hidden.dtype, torch.float32))
+    logsm = torch.log_softmax(logits / temperature, dim=-1)
+    valid = targets != IGNORE
+    logp = logsm.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    return torch.where(valid, logp, 0.0), torch.where(valid, entropy, 0.0)
+
+
+def make_inputs(n, h, v, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) * (2.0 / h**0.5)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[1::3] = IGNORE  # partly ignored rows
+    upstream = torch.randn(2, n, generator=gen)
+    return (
+        hidden.to(device, dtype),
+        weight.to(device, dtype),
+        targets.to(device),
+        upstream[0].to(device),
+        upstream[1].to(device),
+    )
+
+
+def value_and_grads(fn, hidden, weight, g_logp, g_ent):
+    hidden = hidden.detach().requires_grad_()
+    weight = weight.detach().requires_grad_()
+    logp, entropy = fn(hidden, weight)
+    dx, dw = torch.autograd.grad(
+        (logp * g_logp.to(logp.dtype)).sum() + (entropy * g_ent.to(entropy.dtype)).sum(),
+        (hidden, weight),
+    )
+    return [logp, entropy, dx, dw]
+
+
+def max_err(a, truth):
+    return (a.double() - truth).abs().max().item()
+
+
+def assert_close_to_truth(ours, torch_same_dtype, truth, k, rel_atol, names):
+    for name, o, t_same, t in zip(names, ours, torch_same_dtype, truth, strict=True):
+        scale = t.abs().max().item() or 1.0
+        bound = k * max_err(t_same, t) + rel_atol * scale
+        assert max_err(o, t) <= bound, f"{name}: error {max_err(o, t):.3g} > bound {bound:.3g}"
+
+
+NAMES = ("logp", "entropy", "d_hidden", "d_weight")
+TEMPERATURE = 0.7
+# Covers N in {1, 7, 123}, H in {16, 67}, V in {1000, 1001, 4099}, fp32 and bf16 without the full
+# cross product (the interpreter is slow): every V leaves a partial vocabulary tile.
+TRITON_CASES = [
+    (1, 16, 1000, torch.float32),
+    (7, 67, 1001, torch.float32),
+    (123, 67, 4099, torch.float32),
+    (1, 67, 1000, torch.bfloat16),
+    (7, 67, 4099, torch.bfloat16),
+    (123, 16, 1001, torch.bfloat16),
+]
+
+
+def check_against_truth(impl, n, h, v, dtype, device):
+    hidden, weight, targets, g_logp, g_ent = make_inputs(n, h, v, dtype, device)
+    truth = value_and_grads(
+        lambda x, w: full_logits_logprob(x, w, targets, TEMPERATURE),
+        hidden.double(),
+        weight.double(),
+        g_logp,
+        g_ent,
+    )
+    torch_same = value_and_grads(
+        lambda x, w: full_logits_logprob(x, w, targets, TEMPERATURE),
+        hidden,
+        weight,
+        g_logp,
+        g_ent,
+    )
+    ours = value_and_grads(
+        lambda x, w: fused_linear_logprob(
+            x, w, targets, temperature=TEMPERATURE, return_entropy=True, impl=impl
+        ),
+        hidden,
+        weight,
+        g_logp,
+        g_ent,
+    )
+    assert ours[0].dtype == ours[1].dtype == torch.float32
+    assert ours[2].dtype == ours[3].dtype == dtype
+    assert torch.all(ours[0][targets == IGNORE] == 0)
+    assert torch.all(ours[0] <= 0)
+    assert_close_to_truth(ours, torch_same, truth, k=2.0, rel_atol=2e-6, names=NAMES)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("n", "h", "v", "dtype"), TRITON_CASES)
+def test_triton_matches_fp64_truth(n, h, v, dtype, device):
+    check_against_truth("triton", n, h, v, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [1000, 1001, 4099])
+@pytest.mark.parametrize(("n", "h"), [(1, 16), (7, 67), (123, 67)])
+def test_torch_impl_matches_fp64_truth(n, h, v, dtype, device):
+    check_against_truth("torch", n, h, v, dtype, device)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_bf16_logits_are_not_rounded_before_softmax(impl):
+    """With fp32 accumulation the only error left is fp32's; rounding logits to bf16 costs ~1e-2."""
+    hidden, weight, targets, _, _ = make_inputs(7, 67, 1001, torch.bfloat16, "cpu")
+    truth, _ = full_logits_logprob(hidden.double(), weight.double(), targets, 1.0)
+    rounded, _ = full_logits_logprob(hidden, weight, targets, 1.0)
+    ours = fused_linear_logprob(hidden, weight, targets, impl=impl)
+    assert max_err(ours, truth) < 0.01 * max_err(rounded, truth)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_all_rows_ignored(impl):
+    hidden, weight, targets, g_logp, g_ent = make_inputs(7, 16, 1001, torch.float32, "cpu")
+    targets = torch.full_like(targets, IGNORE)
+    logp, entropy, dx, dw = value_and_grads(
+        lambda x, w: fused_linear_logprob(x, w, targets, return_entropy=True, impl=impl),
+        hidden,
+        weight,
+        g_logp,
+        g_ent,
+    )
+    for t in (logp, entropy, dx, dw):
+        assert torch.all(t == 0)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_very_negative_logits_with_a_padded_vocab_tile(impl):
+    """All logits near -1000 and V = 1001 (a partial last tile): a running max starting at 0
+    underflows every exp to 0 (logp = +inf), and padded columns adding exp(0) pull lse up to the
+    padding; both bugs give the wrong answer here, the truth is logp ~ -log(V)."""
+    n, h, v = 7, 16, 1001
+    hidden = torch.ones(n, h)
+    weight = torch.full((v, h), -1000.0 / h) + 0.01 * torch.randn(v, h)
+    targets = torch.randint(0, v, (n,))
+    truth, truth_entropy = full_logits_logprob(hidden.double(), weight.double(), targets, 1.0)
+    logp, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, impl=impl)
+    assert torch.isfinite(logp).all()
+    torch.testing.assert_close(logp.double(), truth, atol=1e-3, rtol=0)
+    torch.testing.assert_close(entropy.double(), truth_entropy, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("chunk_rows", "chunk_vocab"), [(5, 256), (3, 1001), (64, 1001), (2, 4099 // 3)]
+)
+def test_torch_backend_chunking(chunk_rows, chunk_vocab):
+    """Row blocks and vocabulary tiles that do not divide N and V, the single-tile reuse path
+    and the online log-sum-exp across tiles all agree with the full-logits truth."""
+    n, h, v = 23, 16, 1001
+    hidden, weight, targets, g_logp, g_ent = make_inputs(n, h, v, torch.float64, "cpu")
+    chunks = dict(chunk_rows=chunk_rows, chunk_vocab=chunk_vocab)
+    truth = value_and_grads(
+        lambda x, w: full_logits_logprob(x, w, targets, TEMPERATURE), hidden, weight, g_logp, g_ent
+    )
+    logp, entropy, lse = reference.linear_logprob_forward(
+        hidden, weight, targets, temperature=TEMPERATURE, ignore_index=IGNORE, with_entropy=True,
+        **chunks,
+    )  # fmt: skip
+    dx, dw = reference.linear_logprob_backward(
+        hidden, weight, targets, lse, entropy, g_logp.double(), g_ent.double(),
+        temperature=TEMPERATURE, ignore_index=IGNORE, need_grad_weight=True, **chunks,
+    )  # fmt: skip
+    for name, ours, t in zip(NAMES, (logp, entropy, dx, dw), truth, strict=True):
+        torch.testing.assert_close(ours, t, rtol=1e-10, atol=1e-10, msg=name)
+
+    # The fused path: its per-token gradient is g_logp, known as soon as logp is.
+    logp2, _, dx2, dw2 = reference.linear_logprob_row_grads(
+        hidden, weight, targets, lambda rows, _: g_logp.double()[rows],
+        temperature=TEMPERATURE, ignore_index=IGNORE, with_entropy=False,
+        need_grads=True, need_grad_weight=True, **chunks,
+    )  # fmt: skip
+    truth_no_entropy = value_and_grads(
+        lambda x, w: full_logits_logprob(x, w, targets, TEMPERATURE),
+        hidden,
+        weight,
+        g_logp,
+        torch.zeros_like(g_ent),
+    )
+    for name, ours, t in zip(NAMES, (logp2, None, dx2, dw2), truth_no_entropy, strict=True):
+        if ours is not None:
+            torch.testing.assert_close(ours, t, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_gradcheck_torch_impl():
+    hidden, weight, targets, _, _ = make_inputs(4, 3, 11, torch.float64, "cpu")
+    hidden.requires_grad_()
+    weight.requires_grad_()
+
+    def fn(x, w):
+        return fused_linear_logprob(
+            x, w, targets, temperature=TEMPERATURE, return_entropy=True, impl="torch"
+        )
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight))
+
+
+def test_gradient_only_through_weight_or_hidden():
+    """A frozen head (weight without grad) and frozen hidden states each get exactly the full
+    gradient's part."""
+    hidden, weight, targets, g_logp, _ = make_inputs(7, 16, 1001, torch.float32, "cpu")
+    x = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    dx_full, dw_full = torch.autograd.grad(
+        (fused_linear_logprob(x, w, targets, impl="torch") * g_logp).sum(), (x, w)
+    )
+    for impl in ("torch", "triton"):
+        (dx,) = torch.autograd.grad(
+            (fused_linear_logprob(x, weight, targets, impl=impl) * g_logp).sum(), (x,)
+        )
+        (dw,) = torch.autograd.grad(
+            (fused_linear_logprob(hidden, w, targets, impl=impl) * g_logp).sum(), (w,)
+        )
+        torch.testing.assert_close(dx, dx_full, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dw, dw_full, rtol=1e-5, atol=1e-6)
+
+
+def test_impl_selection(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_impl("auto", cpu, "op") == "torch"
+    assert resolve_impl("triton", cpu, "op") == "triton"  # the interpreter is on in tests
+    with pytest.raises(ValueError, match="impl must be one of"):
+        resolve_impl("cuda", cpu, "op")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    hidden, weight, targets, _, _ = make_inputs(3, 16, 40, torch.float32, "cpu")
+    with pytest.raises(KernelBackendUnavailable, match="TRITON_INTERPRET=1 is not set"):
+        fused_linear_logprob(hidden, weight, targets, impl="triton")
+    assert fused_linear_logprob(hidden, weight, targets, impl="auto").shape == (3,)
+
+
+def test_bad_inputs_are_named():
+    hidden, weight, targets, _, _ = make_inputs(3, 16, 40, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="weight must be"):
+        fused_linear_logprob(hidden, weight[:, :8], targets)
+    with pytest.raises(ValueError, match="targets must be"):
+        fused_linear_logprob(hidden, weight, targets[:2])
+    with pytest.raises(ValueError, match="share one of"):
+        fused_linear_logprob(hidden, weight.bfloat16(), targets)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        fused_linear_logprob(hidden, weight, targets.float())
+    with pytest.raises(ValueError, match="temperature"):
+        fused_linear_logprob(hidden, weight, targets, temperature=0.0)
+    with pytest.raises(ValueError, match="impl='torch' only"):
+        fused_linear_logprob(hidden.double(), weight.double(), targets, impl="triton")
