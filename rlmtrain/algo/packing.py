@@ -243,22 +243,22 @@ def pack(
     """Plan micro-batches for `samples`. A sample longer than `budget` raises ValueError naming
     it, or with `truncate` is cut to `budget` tokens (counted; dropped if nothing is left to
     train)."""
-    kept: list[Sample] = []
-    truncated = dropped = 0
-    for sample in samples:
-        if sample.length > budget:
-            if not truncate:
-                raise ValueError(
-                    f"{sample.label}: {sample.length} tokens exceed the micro-batch budget of "
-                    f"{budget} (raise algo.micro_batch_tokens or set algo.truncate_long_samples)"
-                )
-            truncated += 1
-            sample = truncate_sample(sample, budget)
-            if sample is None:
-                dropped += 1
-                continue
-        kept.append(sample)
-    lengths = np.fromiter((s.length for s in kept), dtype=np.int64, count=len(kept))
+    kept = list(samples)
+    lengths = np.fromiter((s.input_ids.shape[0] for s in kept), dtype=np.int64, count=len(kept))
+    too_long = np.flatnonzero(lengths > budget)
+    if too_long.size and not truncate:
+        sample = kept[int(too_long[0])]
+        raise ValueError(
+            f"{sample.label}: {sample.length} tokens exceed the micro-batch budget of "
+            f"{budget} (raise algo.micro_batch_tokens or set algo.truncate_long_samples)"
+        )
+    for i in too_long.tolist():
+        kept[i] = truncate_sample(kept[i], budget)
+    emptied = [i for i in too_long.tolist() if kept[i] is None]
+    if emptied:
+        kept = [s for s in kept if s is not None]
+        lengths = np.delete(lengths, emptied)
+    np.minimum(lengths, budget, out=lengths)  # a truncated sample is now exactly budget long
     plan = plan_packing(
         lengths,
         budget,
@@ -266,8 +266,8 @@ def pack(
         cost_linear=cost_linear,
         cost_quadratic=cost_quadratic,
     )
-    plan.stats.truncated_samples = truncated
-    plan.stats.dropped_samples = dropped
+    plan.stats.truncated_samples = int(too_long.size)
+    plan.stats.dropped_samples = len(emptied)
     return PackedBatches(samples=kept, plan=plan)
 
 
