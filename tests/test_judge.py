@@ -294,6 +294,8 @@ def test_unreachable_server_is_unscored(server):
     assert isinstance(reply, Unscored) and "connection error" in reply.reason
 
 
-def test_post_json_rejects_other_schemes():
+def test_bad_base_url_fails_at_construction():
+    with pytest.raises(ValueError, match="judge.base_url must be"):
+        ChatClient(JudgeConfig(base_url="localhost:8000/v1"))
     with pytest.raises(ValueError, match="unsupported URL"):
         run(post_json("ftp://host/x", b"{}", {}, 1.0))

@@ -17,6 +17,7 @@ teachers and the CPU smoke runs.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -129,19 +130,21 @@ class BookNavEnv(Env):
         return tasks
 
     async def reward(self, task: BookTask, group: RolloutGroup) -> RewardResult:
-        scores: list[float | None] = []
-        details: list[dict[str, Any]] = []
-        for root, answer in zip(group.roots, root_answers(group), strict=True):
-            verdict = await self.judge.verdict(task.query, task.reference_solution, answer)
-            scores.append(verdict.score)
-            details.append(
-                {
-                    "method": verdict.method,
-                    "reason": verdict.reason,
-                    "tool_diversity": diversity_bonus(tree_turns(group, root)),
-                }
+        verdicts = await asyncio.gather(
+            *(
+                self.judge.verdict(task.query, task.reference_solution, answer)
+                for answer in root_answers(group)
             )
-        return RewardResult(scores=scores, details=details)
+        )
+        details = [
+            {
+                "method": verdict.method,
+                "reason": verdict.reason,
+                "tool_diversity": diversity_bonus(tree_turns(group, root)),
+            }
+            for root, verdict in zip(group.roots, verdicts, strict=True)
+        ]
+        return RewardResult(scores=[v.score for v in verdicts], details=details)
 
 
 @register_env("booknav")

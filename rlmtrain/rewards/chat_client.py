@@ -41,6 +41,7 @@ __all__ = [
     "HttpResponse",
     "JudgeConfig",
     "Unscored",
+    "extract_json_object",
     "post_json",
 ]
 
@@ -248,6 +249,11 @@ class ChatClient:
 
     def __init__(self, config: JudgeConfig, *, seed: int | None = None):
         self.config = config
+        parts = urlsplit(config.base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"judge.base_url must be an http:// or https:// URL, got {config.base_url!r}"
+            )
         self.url = config.base_url.rstrip("/") + "/chat/completions"
         self._headers: dict[str, str] = {}
         if config.api_key_env:
