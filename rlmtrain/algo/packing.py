@@ -17,8 +17,8 @@ Planning works on sample lengths only and is all numpy:
 
 Cost of a sample of L tokens is a·L + b·L². Training FLOPs of a decoder are about 72·h²·L per
 layer for the matmuls and 6·h·L² for causal attention (forward + backward), a ratio a/b = 12·h.
-The defaults (a, b) = (24576, 1) are 12·h for h = 2048 (Qwen3-1.7B; Qwen3-4B's 2560 gives
-30720, within 25%, which moves no balance much); for other widths pass 12·hidden_size.
+The defaults (a, b) = (24576, 1) are 12·h for h = 2048 (Qwen3-1.7B); for other widths pass
+cost_linear = 12·hidden_size (Qwen3-4B: 30720).
 
 Materialisation is lazy: `PackedBatches.micro_batches(rank)` collates one micro-batch at a time
 into packed tensors, so planning 100k samples never holds their tokens twice. Every per-token
