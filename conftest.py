@@ -1,4 +1,7 @@
-"""Shared pytest setup for tests/ and bench/: Triton runs in its interpreter on CPU-only machines; `gpu` tests skip there."""
+"""Shared pytest setup for tests/ and bench/.
+
+Triton runs in its interpreter on CPU-only machines; `gpu` tests skip there.
+"""
 
 import os
 

@@ -28,7 +28,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 # Commands whose arguments belong to the module that implements them: (module, help).
 _DELEGATED = {
     ("data", "ingest"): ("rlmtrain.envs.pdf", "parse a folder of PDFs into a corpus JSONL"),
-    ("data", "synth"): ("rlmtrain.envs.synth", "synthesise paper groups, render to PDF, parse back"),
+    ("data", "synth"): (
+        "rlmtrain.envs.synth",
+        "synthesise paper groups, render to PDF, parse back",
+    ),
 }
 
 

@@ -48,20 +48,42 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class ModelConfig(_Section):
-    preset: Annotated[str, _doc("architecture preset: tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b")] = "tiny"
-    hf_dir: Annotated[str, _doc("Hugging Face checkpoint folder to load; empty = random init from the preset")] = ""
-    tokenizer: Annotated[str, _doc("'byte' for the built-in byte tokenizer, or a folder with tokenizer.json; empty = hf_dir's")] = "byte"
-    dtype: Annotated[Literal["float32", "bfloat16"], _doc("parameter and activation dtype")] = "float32"
-    attention: Annotated[Literal["auto", "flash", "flex", "sdpa"], _doc("attention backend; auto = flash-attn on CUDA when installed, else flex")] = "auto"
-    activation_checkpointing: Annotated[bool, _doc("recompute each decoder layer in backward to save memory")] = False
+    preset: Annotated[
+        str, _doc("architecture preset: tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b")
+    ] = "tiny"
+    hf_dir: Annotated[
+        str, _doc("Hugging Face checkpoint folder to load; empty = random init from the preset")
+    ] = ""
+    tokenizer: Annotated[
+        str,
+        _doc(
+            "'byte' (built-in byte tokenizer) or a folder with tokenizer.json; empty = hf_dir's"
+        ),
+    ] = "byte"
+    dtype: Annotated[Literal["float32", "bfloat16"], _doc("parameter and activation dtype")] = (
+        "float32"
+    )
+    attention: Annotated[
+        Literal["auto", "flash", "flex", "sdpa"],
+        _doc("attention backend; auto = flash-attn on CUDA when installed, else flex"),
+    ] = "auto"
+    activation_checkpointing: Annotated[
+        bool, _doc("recompute each decoder layer in backward to save memory")
+    ] = False
     seed: Annotated[int, _doc("seed for random initialisation")] = 0
 
 
 class DataConfig(_Section):
-    env: Annotated[str, _doc("environment name from the registry: evidence, booknav, codenav")] = "evidence"
-    train_path: Annotated[str, _doc("training tasks (msgspec JSONL); empty = synthesise into run_dir/data")] = ""
+    env: Annotated[str, _doc("environment name from the registry: evidence, booknav, codenav")] = (
+        "evidence"
+    )
+    train_path: Annotated[
+        str, _doc("training tasks (msgspec JSONL); empty = synthesise into run_dir/data")
+    ] = ""
     eval_path: Annotated[str, _doc("held-out tasks (msgspec JSONL); empty = none")] = ""
-    synth_groups: Annotated[int, _doc("paper groups to synthesise when train_path is empty", ge=1)] = 8
+    synth_groups: Annotated[
+        int, _doc("paper groups to synthesise when train_path is empty", ge=1)
+    ] = 8
     seed: Annotated[int, _doc("seed for data synthesis and task order")] = 0
 
 
@@ -70,39 +92,82 @@ class RolloutConfig(_Section):
     n_samples: Annotated[int, _doc("G: root trajectories sampled per task", ge=1)] = 4
     max_turns: Annotated[int, _doc("turns per trajectory before finish_reason=max_turns", ge=1)] = 6
     max_depth: Annotated[int, _doc("deepest recursion level; the root is depth 0", ge=0)] = 1
-    depth_limit_mode: Annotated[Literal["lm", "error"], _doc("rlm_query at max_depth: a plain LM call, or an error string")] = "lm"
-    max_children_per_call: Annotated[int, _doc("prompts allowed in one rlm_query_batched call", ge=1)] = 10
-    max_children_per_trajectory: Annotated[int, _doc("child trajectories one trajectory may spawn in all", ge=0)] = 16
+    depth_limit_mode: Annotated[
+        Literal["lm", "error"], _doc("rlm_query at max_depth: a plain LM call, or an error string")
+    ] = "lm"
+    max_children_per_call: Annotated[
+        int, _doc("prompts allowed in one rlm_query_batched call", ge=1)
+    ] = 10
+    max_children_per_trajectory: Annotated[
+        int, _doc("child trajectories one trajectory may spawn in all", ge=0)
+    ] = 16
     max_new_tokens: Annotated[int, _doc("completion tokens per turn", ge=1)] = 512
-    max_prompt_tokens: Annotated[int, _doc("prompt tokens per turn before finish_reason=context", ge=16)] = 8192
-    temperature: Annotated[float, _doc("sampling temperature; log-probs are those of this distribution", gt=0)] = 1.0
-    top_p: Annotated[float, _doc("nucleus sampling mass; < 1 biases the trainer/sampler ratio", gt=0, le=1)] = 1.0
+    max_prompt_tokens: Annotated[
+        int, _doc("prompt tokens per turn before finish_reason=context", ge=16)
+    ] = 8192
+    temperature: Annotated[
+        float, _doc("sampling temperature; log-probs are those of this distribution", gt=0)
+    ] = 1.0
+    top_p: Annotated[
+        float, _doc("nucleus sampling mass; < 1 biases the trainer/sampler ratio", gt=0, le=1)
+    ] = 1.0
     max_inflight_requests: Annotated[int, _doc("engine requests in flight at once", ge=1)] = 64
     max_live_trees: Annotated[int, _doc("root trajectories running at once", ge=1)] = 32
     max_live_workers: Annotated[int, _doc("REPL worker processes alive at once", ge=1)] = 128
-    repl_timeout_s: Annotated[float, _doc("wall-clock seconds per REPL exec, child calls not counted", gt=0)] = 30.0
-    repl_memory_mb: Annotated[int, _doc("address-space limit of a REPL worker in MiB", ge=64)] = 2048
-    output_limit_chars: Annotated[int, _doc("printed REPL output kept per exec (head and tail)", ge=64)] = 4000
-    tree_timeout_s: Annotated[float, _doc("wall-clock seconds for a whole tree before finish_reason=timeout", gt=0)] = 600.0
+    repl_timeout_s: Annotated[
+        float, _doc("wall-clock seconds per REPL exec, child calls not counted", gt=0)
+    ] = 30.0
+    repl_memory_mb: Annotated[int, _doc("address-space limit of a REPL worker in MiB", ge=64)] = (
+        2048
+    )
+    output_limit_chars: Annotated[
+        int, _doc("printed REPL output kept per exec (head and tail)", ge=64)
+    ] = 4000
+    tree_timeout_s: Annotated[
+        float, _doc("wall-clock seconds for a whole tree before finish_reason=timeout", gt=0)
+    ] = 600.0
     max_batch_size: Annotated[int, _doc("native engine: sequences decoded together", ge=1)] = 32
-    kv_cache_tokens: Annotated[int, _doc("native engine: KV-cache capacity in tokens", ge=64)] = 65536
+    kv_cache_tokens: Annotated[int, _doc("native engine: KV-cache capacity in tokens", ge=64)] = (
+        65536
+    )
 
 
 class AlgoConfig(_Section):
     clip_low: Annotated[float, _doc("PPO clip below 1 (ratio >= 1 - clip_low)", ge=0, lt=1)] = 0.2
     clip_high: Annotated[float, _doc("PPO clip above 1 (ratio <= 1 + clip_high)", ge=0)] = 0.28
-    dual_clip: Annotated[float, _doc("dual-clip bound c > 1 for negative advantages; 0 = off", ge=0)] = 0.0
-    kl_beta: Annotated[float, _doc("weight of the k3 KL to the reference policy; 0 = no reference model", ge=0)] = 0.0
-    tis_cap: Annotated[float, _doc("truncated importance-sampling cap on pi_old/pi_sampler; 0 = off", ge=0)] = 2.0
+    dual_clip: Annotated[
+        float, _doc("dual-clip bound c > 1 for negative advantages; 0 = off", ge=0)
+    ] = 0.0
+    kl_beta: Annotated[
+        float, _doc("weight of the k3 KL to the reference policy; 0 = no reference model", ge=0)
+    ] = 0.0
+    tis_cap: Annotated[
+        float, _doc("truncated importance-sampling cap on pi_old/pi_sampler; 0 = off", ge=0)
+    ] = 2.0
     std_normalize: Annotated[bool, _doc("divide group-centred rewards by the group std")] = True
-    drop_uniform_groups: Annotated[bool, _doc("drop groups whose rewards are all equal (zero advantage)")] = True
-    token_aggregation: Annotated[Literal["token_mean", "turn_mean", "constant_sum"], _doc("how a trajectory's tokens form its loss")] = "token_mean"
-    constant_sum_divisor: Annotated[float, _doc("divisor for token_aggregation=constant_sum", gt=0)] = 1024.0
-    child_averaging: Annotated[bool, _doc("average children's losses by 1/k (the method); false = flat variant")] = True
+    drop_uniform_groups: Annotated[
+        bool, _doc("drop groups whose rewards are all equal (zero advantage)")
+    ] = True
+    token_aggregation: Annotated[
+        Literal["token_mean", "turn_mean", "constant_sum"],
+        _doc("how a trajectory's tokens form its loss"),
+    ] = "token_mean"
+    constant_sum_divisor: Annotated[
+        float, _doc("divisor for token_aggregation=constant_sum", gt=0)
+    ] = 1024.0
+    child_averaging: Annotated[
+        bool, _doc("average children's losses by 1/k (the method); false = flat variant")
+    ] = True
     micro_batch_tokens: Annotated[int, _doc("token budget of one packed micro-batch", ge=16)] = 8192
-    truncate_long_samples: Annotated[bool, _doc("truncate a sample longer than the budget instead of failing")] = False
-    exploration_beta: Annotated[float, _doc("initial weight of the exploration bonus; 0 = off", ge=0)] = 0.0
-    tool_credit_alpha: Annotated[float, _doc("alpha of turn-level tool credit; 0 = off", ge=0)] = 0.0
+    truncate_long_samples: Annotated[
+        bool, _doc("truncate a sample longer than the budget instead of failing")
+    ] = False
+    exploration_beta: Annotated[
+        float, _doc("initial weight of the exploration bonus; 0 = off", ge=0)
+    ] = 0.0
+    tool_credit_alpha: Annotated[float, _doc("alpha of turn-level tool credit; 0 = off", ge=0)] = (
+        0.0
+    )
 
 
 class TrainConfig(_Section):
@@ -112,7 +177,9 @@ class TrainConfig(_Section):
     lr: Annotated[float, _doc("AdamW learning rate", gt=0)] = 1e-3
     weight_decay: Annotated[float, _doc("AdamW weight decay", ge=0)] = 0.0
     grad_clip: Annotated[float, _doc("max global grad norm; 0 = off", ge=0)] = 1.0
-    loss_impl: Annotated[Literal["auto", "torch", "triton"], _doc("fused loss backend; auto = triton on CUDA")] = "auto"
+    loss_impl: Annotated[
+        Literal["auto", "torch", "triton"], _doc("fused loss backend; auto = triton on CUDA")
+    ] = "auto"
     device: Annotated[str, _doc("'auto', 'cpu' or 'cuda'")] = "auto"
     seed: Annotated[int, _doc("seed for sampling and data order")] = 0
 
@@ -126,7 +193,9 @@ class CheckpointConfig(_Section):
 class LoggingConfig(_Section):
     level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
     every: Annotated[int, _doc("print metrics every N steps", ge=1)] = 1
-    metrics_path: Annotated[str, _doc("JSONL file of per-step metrics; empty = run_dir/metrics.jsonl")] = ""
+    metrics_path: Annotated[
+        str, _doc("JSONL file of per-step metrics; empty = run_dir/metrics.jsonl")
+    ] = ""
 
 
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -140,7 +209,8 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 SECTIONS: dict[str, type[_Section]] = {
-    name: info.type for name, info in zip(Config.__struct_fields__, msgspec.structs.fields(Config), strict=True)
+    name: info.type
+    for name, info in zip(Config.__struct_fields__, msgspec.structs.fields(Config), strict=True)
 }
 
 

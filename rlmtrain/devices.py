@@ -12,7 +12,14 @@ import logging
 
 import torch
 
-__all__ = ["HAS_CUDA", "HAS_FLASH_ATTN", "HAS_LIGER", "HAS_VLLM", "BackendUnavailable", "log_fallback_once"]
+__all__ = [
+    "HAS_CUDA",
+    "HAS_FLASH_ATTN",
+    "HAS_LIGER",
+    "HAS_VLLM",
+    "BackendUnavailable",
+    "log_fallback_once",
+]
 
 log = logging.getLogger("rlmtrain")
 

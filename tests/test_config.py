@@ -1,4 +1,4 @@
-"""Config loading, overrides and the CLI's one-line errors (exit code 2), through a real subprocess."""
+"""Config loading, overrides, and the CLI's one-line errors (exit 2) through a real subprocess."""
 
 import subprocess
 import sys
@@ -14,7 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rlmtrain.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+        [sys.executable, "-m", "rlmtrain.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
 
 
@@ -30,7 +34,15 @@ def run_file(tmp_path):
 
 def test_defaults_and_overrides_convert_types(run_file):
     path = run_file('[train]\nlr = 3e-4\n[model]\npreset = "qwen3-4b"\n')
-    cfg = load_config(path, ["--train.steps=7", "--algo.std_normalize=false", "--model.preset=tiny", "--checkpoint.dir=out/x"])
+    cfg = load_config(
+        path,
+        [
+            "--train.steps=7",
+            "--algo.std_normalize=false",
+            "--model.preset=tiny",
+            "--checkpoint.dir=out/x",
+        ],
+    )
     assert cfg.train.lr == 3e-4
     assert cfg.train.steps == 7
     assert cfg.algo.std_normalize is False

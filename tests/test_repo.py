@@ -1,4 +1,4 @@
-"""The repository's promises: README's two commands, CI running the same test command, the reference."""
+"""The repository's promises: README's two commands, CI running its test command, the reference."""
 
 import re
 import subprocess
@@ -29,12 +29,26 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_config_reference_is_current():
-    assert reference_markdown() in README, "regenerate with: python -c 'from rlmtrain.config import reference_markdown as r; print(r())'"
+    assert reference_markdown() in README, (
+        "regenerate: python -c 'from rlmtrain.config import reference_markdown as r; print(r())'"
+    )
 
 
 def test_top_level_layout():
-    allowed = {"csrc", "rlmtrain", "kernels", "bench", "tests", "configs", "pyproject.toml", "README.md", ".ci"}
+    allowed = {
+        "csrc",
+        "rlmtrain",
+        "kernels",
+        "bench",
+        "tests",
+        "configs",
+        "pyproject.toml",
+        "README.md",
+        ".ci",
+    }
     tool_files = {".gitignore", "conftest.py"}
-    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
     top = {line.split("/", 1)[0] for line in listed.splitlines()}
     assert top - allowed - tool_files == set(), "unexpected top-level entries"

@@ -67,7 +67,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     sample_idx: int
     """Which of the task's G roots this tree belongs to."""
     prompt: str
-    """The query this trajectory answers (the task query for a root, the rlm_query prompt for a child)."""
+    """The query it answers: the task query for a root, the rlm_query prompt for a child."""
     turns: list[Turn] = []
     children: list[str] = []
     """Ids of the child trajectories, in the order they were spawned."""
@@ -86,7 +86,9 @@ class RolloutGroup(msgspec.Struct, kw_only=True):
 
     @property
     def roots(self) -> list[Trajectory]:
-        return sorted((t for t in self.trajectories if t.parent_id is None), key=lambda t: t.sample_idx)
+        return sorted(
+            (t for t in self.trajectories if t.parent_id is None), key=lambda t: t.sample_idx
+        )
 
     def by_id(self) -> dict[str, Trajectory]:
         return {t.id: t for t in self.trajectories}
@@ -108,7 +110,7 @@ def write_groups(path: str | Path, groups: Iterable[RolloutGroup]) -> int:
 
 
 def read_groups(path: str | Path) -> Iterator[RolloutGroup]:
-    """Read groups written by `write_groups`; a malformed line raises ValueError naming file and line."""
+    """Read groups written by `write_groups`; a bad line raises ValueError naming file and line."""
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
