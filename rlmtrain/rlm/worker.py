@@ -40,6 +40,7 @@ from typing import Any
 import msgspec
 
 from rlmtrain import _jail
+from rlmtrain.rlm import builtins as rlm_builtins
 from rlmtrain.rlm.builtins import FinalAnswer, OutputCapture, Toolbox, clip_text
 from rlmtrain.rlm.protocol import (
     HEADER,
@@ -65,6 +66,7 @@ __all__ = ["main", "load_tools"]
 
 _WORKER_FD = 3
 _EXIT_PROTOCOL = 3
+_BUILTINS_FILE = rlm_builtins.__file__
 _TRUSTED_FRAME_BYTES = 1 << 40
 _zygote_decoder = msgspec.msgpack.Decoder(Boot | Spawn | Shutdown)
 _worker_decoder = msgspec.msgpack.Decoder(Exec | Answers)
@@ -147,9 +149,19 @@ def _format_error(exc: BaseException) -> str:
         )
     if isinstance(exc, KeyboardInterrupt):
         return "KeyboardInterrupt was raised; the REPL keeps its state."
-    # Drop the worker's own frame so the traceback starts in the model's code.
+    # Drop the worker's own frame and those inside the builtins, so the traceback shows the
+    # model's code and the message.
     tb = exc.__traceback__.tb_next if exc.__traceback__ else None
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    report = traceback.TracebackException(type(exc), exc, tb)
+    report.stack = traceback.StackSummary.from_list(
+        [frame for frame in report.stack if frame.filename != _BUILTINS_FILE]
+    )
+    return "".join(report.format())
+
+
+def _refuse_system(command: str) -> int:
+    # libc's system() fails quietly (status 127) once the jail refuses the fork; say why.
+    raise PermissionError(f"os.system({command!r}): the REPL cannot start processes")
 
 
 class _Worker:
@@ -201,6 +213,8 @@ class _Worker:
             error = _format_error(exc)
         finally:
             sys.stdout, sys.stderr = self.real_streams
+            # The worker's own code below needs the real builtins too.
+            self.restore_builtins()
         calls = self.toolbox.end_exec()
         final = self.toolbox.final
         # Four bytes per char at most in UTF-8, and room left for the rest of the frame.
@@ -266,6 +280,7 @@ def _worker_main(
         except Exception as exc:
             channel.send(Ready(error=f"{type(exc).__name__}: {exc}"))
             return
+        os.system = _refuse_system
         worker = _Worker(channel, tools, context, limits)
         channel.send(Ready())
         worker.serve()

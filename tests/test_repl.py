@@ -1,0 +1,286 @@
+"""The REPL as the agent sees it: real zygotes, real jailed workers, real sockets.
+
+Tool modules are stdlib modules with an `__all__` (pprint, textwrap): real importable tools,
+one of which prints. After the module, no worker process and no temporary directory remains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from rlmtrain.rlm.repl import ExecResult, ReplLimits, Zygote
+
+LIMITS = ReplLimits(exec_timeout_s=3.0, memory_mb=1024, cpu_s=60, output_limit_chars=400)
+TOOLS = ["pprint", "textwrap"]
+CONTEXT = "The quick brown fox. " * 50
+
+
+def descendants() -> set[int]:
+    """Processes below this one, zombies included, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, stack = set(), [os.getpid()]
+    while stack:
+        for pid in children.get(stack.pop(), []):
+            found.add(pid)
+            stack.append(pid)
+    return found
+
+
+@pytest.fixture(scope="module")
+def temp_dir():
+    before = descendants()
+    path = tempfile.mkdtemp(prefix="test-repl-")
+    yield path
+    leftover = os.listdir(path)
+    shutil.rmtree(path)
+    assert leftover == [], f"temporary directories left behind: {leftover}"
+    assert descendants() - before == set(), "worker processes outlived their zygotes"
+
+
+def run_with_zygote(body, temp_dir, *, limits=LIMITS, context=CONTEXT):
+    async def main():
+        zygote = await Zygote.start(
+            context=context, tool_modules=TOOLS, limits=limits, temp_dir=temp_dir
+        )
+        try:
+            return await body(zygote)
+        finally:
+            await zygote.close()
+            assert not os.path.exists(zygote.temp_root)
+
+    return asyncio.run(main())
+
+
+def ok(result: ExecResult) -> ExecResult:
+    assert not result.dead and result.error == "", result
+    return result
+
+
+def test_globals_persist_and_a_trailing_expression_is_shown(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        ok(await session.exec("total = len(context)\nwords = context.split()"))
+        result = ok(await session.exec("print(total)\nlen(words)"))
+        assert result.output == f"{len(CONTEXT)}\n{len(CONTEXT.split())}\n"
+        assert result.final is None
+        await session.close()
+        await session.close()
+        assert (await session.exec("1")).dead
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_errors_come_back_as_text_and_the_session_goes_on(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        result = await session.exec("x = 1\ny = x / 0")
+        assert not result.dead
+        assert "ZeroDivisionError" in result.error and "y = x / 0" in result.error
+        assert "builtins.py" not in result.error
+        syntax = await session.exec("def broken(:\n  pass")
+        assert "SyntaxError" in syntax.error and not syntax.dead
+        assert ok(await session.exec("x")).output == "1\n"
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_final_counts_only_when_it_runs(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        text = ok(await session.exec("s = \"FINAL('fake')\"  # FINAL('also fake')\nprint(s)"))
+        assert text.final is None and text.output == "FINAL('fake')\n"
+        stops = ok(await session.exec("print('before')\nFINAL(42)\nprint('after')"))
+        assert stops.final == "42" and stops.output == "before\n"
+        caught = ok(await session.exec("try:\n    FINAL('first')\nexcept Exception:\n    pass"))
+        assert caught.final == "first"
+        assert ok(await session.exec("1 + 1")).final is None
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_final_var_of_a_missing_name_is_an_error_not_an_end(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        missing = await session.exec("FINAL_VAR('answer')")
+        assert missing.final is None and not missing.dead
+        assert "no variable named 'answer'" in missing.error
+        wrong_type = await session.exec("answer = 7\nFINAL_VAR(answer)")
+        assert wrong_type.final is None and "as a string" in wrong_type.error
+        assert ok(await session.exec("answer = [1, 2]\nFINAL_VAR('answer')")).final == "[1, 2]"
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_tools_are_recorded_and_their_prints_captured(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        result = ok(await session.exec("pprint({'k': 1})\nprint(shorten(context, width=20))"))
+        assert result.output == "{'k': 1}\nThe quick [...]\n"
+        assert [c.name for c in result.calls] == ["pprint", "shorten"]
+        assert (
+            result.calls[1].args.startswith("'The quick brown fox.")
+            and "width=20" in result.calls[1].args
+        )
+        many = ok(await session.exec("for i in range(1000):\n    dedent(str(i))"))
+        assert len(many.calls) == 257 and many.calls[-1].args == "744 more calls not recorded"
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_output_is_clipped_head_and_tail(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        result = ok(await session.exec("print('A' * 1000, end='')\nprint('B' * 1000, end='')"))
+        assert result.output.startswith("A" * 200) and result.output.endswith("B" * 200)
+        assert "[1600 characters cut]" in result.output
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_rlm_query_round_trips_in_order(temp_dir):
+    seen = []
+
+    async def handler(prompts, contexts):
+        seen.append((prompts, contexts))
+        return [f"answer to {p}" for p in prompts]
+
+    async def body(zygote):
+        session = await zygote.session()
+        one = ok(await session.exec("a = rlm_query('q1')\nprint(a)", handler))
+        assert one.output == "answer to q1\n"
+        batched = ok(
+            await session.exec(
+                "print(rlm_query_batched(['x', 'y', 'z'], [None, {'part': 2}, ['p', 3]]))", handler
+            )
+        )
+        assert batched.output == "['answer to x', 'answer to y', 'answer to z']\n"
+        assert [c.name for c in batched.calls] == ["rlm_query_batched"]
+        assert seen == [(["q1"], [None]), (["x", "y", "z"], [None, {"part": 2}, ["p", 3]])]
+        mismatch = await session.exec("rlm_query_batched(['a', 'b'], ['only one'])", handler)
+        assert "2 prompts but 1 contexts" in mismatch.error
+        unsendable = await session.exec("rlm_query('q', context=object())", handler)
+        assert "plain data" in unsendable.error and not unsendable.dead
+        no_handler = ok(await session.exec("print(rlm_query('q'))"))
+        assert "not available" in no_handler.output
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_exec_timer_excludes_time_in_the_query_handler(temp_dir):
+    limits = ReplLimits(exec_timeout_s=0.5, memory_mb=1024, output_limit_chars=400)
+
+    async def slow_handler(prompts, contexts):
+        await asyncio.sleep(1.0)
+        return ["late but fine"] * len(prompts)
+
+    async def body(zygote):
+        session = await zygote.session()
+        started = time.monotonic()
+        result = ok(
+            await session.exec("print(rlm_query('slow'))\nprint(rlm_query('slow'))", slow_handler)
+        )
+        assert time.monotonic() - started >= 2.0
+        assert result.output == "late but fine\nlate but fine\n"
+        looping = await session.exec("while True:\n    pass")
+        assert looping.dead and "timed out after 0.5 s" in looping.error
+        await session.close()
+
+    run_with_zygote(body, temp_dir, limits=limits)
+
+
+def test_a_handler_returning_the_wrong_shape_raises_and_kills_the_worker(temp_dir):
+    async def bad_handler(prompts, contexts):
+        return ["one"]
+
+    async def body(zygote):
+        session = await zygote.session()
+        with pytest.raises(TypeError, match="list of 2 str answers"):
+            await session.exec("rlm_query_batched(['a', 'b'])", bad_handler)
+        assert (await session.exec("1")).dead
+        assert zygote.live_workers() == 0
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_sessions_inherit_or_replace_the_context(temp_dir):
+    async def body(zygote):
+        inherited = await zygote.session()
+        replaced = await zygote.session(context={"doc": "other"})
+        assert ok(await inherited.exec("len(context)")).output == f"{len(CONTEXT)}\n"
+        assert ok(await replaced.exec("context['doc']")).output == "'other'\n"
+        await inherited.close()
+        await replaced.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_sessions_run_concurrently_and_are_isolated(temp_dir):
+    async def body(zygote):
+        sessions = [await zygote.session() for _ in range(4)]
+        assert zygote.live_workers() == 4
+        await asyncio.gather(*(s.exec(f"mine = {i}") for i, s in enumerate(sessions)))
+        results = await asyncio.gather(
+            *(s.exec("import time\ntime.sleep(0.3)\nmine") for s in sessions)
+        )
+        assert [r.output for r in results] == ["0\n", "1\n", "2\n", "3\n"]
+        assert len({s.workdir for s in sessions}) == 4
+        peek = await sessions[0].exec(f"open({sessions[1].workdir + '/x'!r}, 'w')")
+        assert "PermissionError" in peek.error
+        # Closing the zygote kills the workers left open.
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_rebound_builtins_and_tools_are_restored_before_the_next_exec(temp_dir):
+    async def handler(prompts, contexts):
+        return ["from the handler"] * len(prompts)
+
+    async def body(zygote):
+        session = await zygote.session()
+        ok(
+            await session.exec(
+                "FINAL = lambda x: None\nFINAL_VAR = None\nrlm_query = lambda p: 'forged'\n"
+                "shorten = None\ncontext = 'replaced'\nimport builtins\nbuiltins.len = None",
+                handler,
+            )
+        )
+        result = ok(
+            await session.exec(
+                "print(rlm_query('q'), len(context), shorten('a b', 10))\nFINAL('real')", handler
+            )
+        )
+        assert result.output == f"from the handler {len(CONTEXT)} a b\n"
+        assert result.final == "real"
+        assert ok(await session.exec("x = 5\nFINAL_VAR('x')")).final == "5"
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_zygote_refuses_a_bad_tool_module(temp_dir):
+    async def main():
+        with pytest.raises(RuntimeError, match="no_such_module"):
+            await Zygote.start(context="", tool_modules=["no_such_module"], temp_dir=temp_dir)
+
+    asyncio.run(main())
