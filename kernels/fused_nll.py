@@ -52,12 +52,16 @@ def _linear_nll_fwd(
             temperature=temperature, ignore_index=ignore_index,
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight,
         )  # fmt: skip
-    empty = hidden.new_empty(0, dtype=torch.float32)
+
+    # Custom ops return tensors only, none aliasing another: a fresh empty one means "not needed".
+    def absent():
+        return hidden.new_empty(0, dtype=torch.float32)
+
     return (
         (grad_logp * logp).sum(),
         entropy,
-        grad_hidden if need_grad_hidden else empty,
-        grad_weight if need_grad_weight else empty,
+        grad_hidden if need_grad_hidden else absent(),
+        grad_weight if need_grad_weight else absent(),
     )
 
 

@@ -431,11 +431,10 @@ def _linear_logprob_bwd(
             hidden, weight, targets, lse, entropy, grad_logp, grad_entropy,
             temperature=temperature, ignore_index=ignore_index, need_grad_weight=need_grad_weight,
         )  # fmt: skip
-    # Custom ops cannot return None: an empty tensor stands for "not requested".
-    empty = hidden.new_empty(0)
+    # Custom ops return tensors only, none aliasing another: a fresh empty one means "not needed".
     return (
-        grad_hidden.to(hidden.dtype) if need_grad_hidden else empty,
-        grad_weight.to(weight.dtype) if need_grad_weight else empty,
+        grad_hidden.to(hidden.dtype) if need_grad_hidden else hidden.new_empty(0),
+        grad_weight.to(weight.dtype) if need_grad_weight else weight.new_empty(0),
     )
 
 
