@@ -16,7 +16,8 @@ Backends:
 - "sdpa": `scaled_dot_product_attention(is_causal=True)` per sequence. No masked-out work and
   no compiler, so it is the CPU default and the reference the others are tested against.
 
-"auto" takes flash when installed, else flex on CUDA, else sdpa, logging the fallback once.
+"auto" takes flash when installed (and activations are fp16/bf16, all it supports), else flex on
+CUDA, else sdpa, logging the fallback once.
 An explicit request for a backend that cannot run raises `BackendUnavailable`.
 """
 
@@ -60,23 +61,26 @@ def check_choice(requested: str) -> None:
         )
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    """The backend that will run for `requested` on `device`: "flash", "flex" or "sdpa"."""
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that will run for `requested` on `device` with activations in `dtype`:
+    "flash", "flex" or "sdpa"."""
     check_choice(requested)
     on_cuda = device.type == "cuda"
+    flash_dtype = dtype in (torch.float16, torch.bfloat16)
     if requested == "flash":
-        if not on_cuda:
+        if not (on_cuda and flash_dtype):
             raise devices.BackendUnavailable(
-                f"attention='flash' runs on CUDA only, got tensors on {device}"
+                f"attention='flash' runs on CUDA in fp16/bf16 only, got {device.type} {dtype}"
             )
         return "flash"
     if requested in ("flex", "sdpa"):
         return requested
-    if on_cuda and devices.HAS_FLASH_ATTN:
+    if on_cuda and devices.HAS_FLASH_ATTN and flash_dtype:
         return "flash"
     if on_cuda:
+        why = "flash-attn not installed" if not devices.HAS_FLASH_ATTN else f"{dtype} activations"
         devices.log_fallback_once(
-            "attention-auto-flex", "attention=auto: flash-attn not installed, using flex_attention"
+            f"attention-auto-flex-{why}", f"attention=auto: {why}, using flex_attention"
         )
         return "flex"
     devices.log_fallback_once(
@@ -108,8 +112,11 @@ class PackedAttention:
         return _sdpa_per_sequence(q, k, v, self.bounds)
 
 
-def plan_attention(requested: str, cu_seqlens: Tensor, num_tokens: int) -> PackedAttention:
-    """Check `cu_seqlens[B+1]` against `num_tokens` and prepare the chosen backend's metadata."""
+def plan_attention(
+    requested: str, cu_seqlens: Tensor, num_tokens: int, dtype: torch.dtype
+) -> PackedAttention:
+    """Check `cu_seqlens[B+1]` against `num_tokens` and prepare the metadata of the backend
+    chosen for `requested`, the tokens' device and the activation `dtype`."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(
             f"cu_seqlens must be 1-D with B+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}"
@@ -124,7 +131,7 @@ def plan_attention(requested: str, cu_seqlens: Tensor, num_tokens: int) -> Packe
         raise ValueError(
             f"cu_seqlens must be strictly increasing (no empty sequence), got {list(bounds)}"
         )
-    backend = resolve_backend(requested, cu_seqlens.device)
+    backend = resolve_backend(requested, cu_seqlens.device, dtype)
     cu32 = cu_seqlens.to(torch.int32)
     block_mask = _document_block_mask(cu32, num_tokens) if backend == "flex" else None
     return PackedAttention(backend, cu32, bounds, max(lengths), block_mask)

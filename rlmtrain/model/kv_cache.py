@@ -190,7 +190,7 @@ def prefill(
     input_ids = torch.cat(prompts).to(device)
     position_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)
     cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0)
-    packed = plan_attention(model.attention, cu_seqlens, input_ids.numel())
+    packed = plan_attention(model.attention, cu_seqlens, input_ids.numel(), cache.keys.dtype)
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache.keys[layer].index_copy_(0, slots, k)

@@ -179,7 +179,12 @@ class Transformer(nn.Module):
                 f"expected packed 1-D input_ids and position_ids of one shape, got "
                 f"{tuple(input_ids.shape)} and {tuple(position_ids.shape)}"
             )
-        attend = plan_attention(self.attention, cu_seqlens.to(input_ids.device), input_ids.numel())
+        attend = plan_attention(
+            self.attention,
+            cu_seqlens.to(input_ids.device),
+            input_ids.numel(),
+            self.embed_tokens.weight.dtype,
+        )
         return self.hidden_states(input_ids, position_ids, lambda _layer, q, k, v: attend(q, k, v))
 
     def hidden_states(self, input_ids: Tensor, position_ids: Tensor, attend: Attend) -> Tensor:
