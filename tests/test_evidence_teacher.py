@@ -1,0 +1,100 @@
+"""The scripted evidence teacher through the real jailed REPL and trajectory loop: trees with
+children on multi-paper tasks, span F1 against the gold evidence, records fit for SFT."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+
+from rlmtrain.envs.evidence import EvidenceEnv
+from rlmtrain.envs.evidence_teacher import child_plan, child_prompt, parse_query, root_plan, teach
+from rlmtrain.envs.synth import synthesize
+from rlmtrain.model.tokenizer import ByteTokenizer
+from rlmtrain.rlm.records import read_groups, write_groups
+
+MULTI_TASKS = 50
+
+
+@pytest.fixture(scope="module")
+def env_and_tasks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("teacher")
+    synthesize(out, groups=32, seed=21, workers=2)
+    env = EvidenceEnv()
+    return env, env.load_tasks(out / "tasks.jsonl")
+
+
+@pytest.mark.slow
+def test_teacher_on_50_multi_paper_tasks(env_and_tasks, tmp_path):
+    env, tasks = env_and_tasks
+    multi = [task for task in tasks if len(task.paper_ids) >= 2][:MULTI_TASKS]
+    assert len(multi) == MULTI_TASKS
+    groups = asyncio.run(teach(env, multi, ByteTokenizer()))
+    scores = []
+    for task, group in zip(multi, groups, strict=True):
+        (root,) = group.roots
+        children = [t for t in group.trajectories if t.parent_id is not None]
+        assert root.finish_reason == "final", (task.id, root.turns[-1].error)
+        assert children and [c.id for c in children] == root.children
+        calls = [c.name for turn in root.turns for c in turn.tool_calls]
+        assert "rlm_query_batched" in calls and "list_papers" in calls
+        for trajectory in group.trajectories:
+            assert all(turn.error == "" for turn in trajectory.turns), trajectory.id
+            assert all(turn.prompt_ids and turn.completion_ids for turn in trajectory.turns)
+        for child in children:
+            assert child.depth == 1 and child.finish_reason == "final" and child.answer
+            assert child.prompt.startswith("Paper ID: ")
+        # Exactly the papers the gold evidence comes from were read.
+        relevant = {span.paper_id for span in task.evidence}
+        assert {c.prompt.split("\n")[0].removeprefix("Paper ID: ") for c in children} == relevant
+        result = asyncio.run(env.reward(task, group))
+        scores.append(result.scores[0])
+    mean = statistics.mean(scores)
+    print(
+        f"\nteacher span F1 on {len(scores)} multi-paper tasks: {mean:.3f} (min {min(scores):.3f})"
+    )
+    assert mean >= 0.8
+    path = tmp_path / "teacher.jsonl"
+    assert write_groups(path, groups) == len(groups)
+    assert [g.trajectories[0].answer for g in read_groups(path)] == [
+        r.roots[0].answer for r in groups
+    ]
+
+
+def test_teacher_single_paper_task_uses_no_children(env_and_tasks):
+    env, tasks = env_and_tasks
+    task = next(t for t in tasks if len(t.paper_ids) >= 2)
+    single = type(task)(
+        id="single",
+        query=task.query,
+        kind=task.kind,
+        paper_ids=[task.evidence[0].paper_id],
+        evidence=[task.evidence[0]],
+    )
+    (group,) = asyncio.run(teach(env, [single], ByteTokenizer()))
+    (root,) = group.trajectories
+    assert root.finish_reason == "final" and root.children == []
+    assert 5 <= len(root.turns) <= 7
+    assert asyncio.run(env.reward(single, group)).scores[0] >= 0.8
+
+
+def test_plans_follow_the_query_and_refuse_strangers():
+    rule = parse_query("Which method achieves the best BLEU on WMT14 En-De?")
+    assert rule.family == "results" and rule.opening == "On WMT14 En-De,"
+    assert parse_query("Which datasets are used to evaluate AstraNet?").relevant == "astranet:"
+    prompt = child_prompt(
+        "Paper ID: p\nTitle: T\nAbstract: A", "Which datasets are used to evaluate X?"
+    )
+    assert "We evaluate X" in "\n".join(child_plan(prompt))
+    with pytest.raises(ValueError, match="no rule for query"):
+        parse_query("What is the meaning of life?")
+    with pytest.raises(ValueError, match="without a 'Query:' line"):
+        child_plan("Paper ID: p\nno query here")
+
+
+def test_root_plan_sends_one_child_per_picked_paper(env_and_tasks):
+    _, tasks = env_and_tasks
+    task = next(t for t in tasks if len(t.paper_ids) >= 2)
+    code = "\n".join(root_plan(task))
+    assert "rlm_query_batched(prompts, contexts)" in code and 'FINAL_VAR("answer")' in code
