@@ -120,12 +120,12 @@ def _parse(path: Path, paper_id: str | None) -> Paper:
             raise _Unreadable("encrypted (needs a password)") from None
         raise _Unreadable(f"corrupt PDF ({message})") from None
     try:
+        metadata_title = _metadata_title(doc.get_metadata_dict().get("Title", ""))
         pages, largest_text = [], ""
         for i in range(len(doc)):
-            text, largest = _page_text(doc[i], with_largest=i == 0)
+            text, largest = _page_text(doc[i], with_largest=i == 0 and not metadata_title)
             pages.append(text)
             largest_text = largest_text or largest
-        metadata_title = doc.get_metadata_dict().get("Title", "")
     finally:
         doc.close()
     if not pages:
@@ -133,7 +133,7 @@ def _parse(path: Path, paper_id: str | None) -> Paper:
     lines = clean_pages(pages)
     if not any(line for page in lines for line in page):
         raise _Unreadable("no text layer (image-only or blank pages)")
-    title = _metadata_title(metadata_title) or _flatten(largest_text) or _first_line(lines[0])
+    title = metadata_title or _flatten(largest_text) or _first_line(lines[0])
     joined = "\n".join("\n".join(page) for page in lines)
     return Paper(
         id=paper_id or path.stem,
