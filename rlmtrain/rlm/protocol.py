@@ -166,18 +166,23 @@ def send_frame(sock: socket.socket, message: msgspec.Struct, fds: list[int] | No
     sock.sendall(frame)
 
 
-def _recv_exactly(sock: socket.socket, n: int, fds: list[int] | None) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        if fds is not None and not buf:
-            chunk, got, _, _ = socket.recv_fds(sock, n, 4)
-            fds.extend(got)
+def _recv_exactly(sock: socket.socket, n: int, fds: list[int] | None) -> bytearray | None:
+    """n bytes into one preallocated buffer (a 100 MB context is received without copies)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        if fds is not None and got == 0:
+            chunk, received, _, _ = socket.recv_fds(sock, n, 4)
+            fds.extend(received)
+            view[: len(chunk)] = chunk
+            count = len(chunk)
         else:
-            chunk = sock.recv(n - len(buf))
-        if not chunk:
+            count = sock.recv_into(view[got:])
+        if count == 0:
             return None
-        buf += chunk
-    return bytes(buf)
+        got += count
+    return buf
 
 
 def recv_frame(

@@ -382,6 +382,7 @@ def main(argv: list[str]) -> int:
             importlib.import_module(module_name)
         tools = load_tools(boot.tool_modules)
         context = pickle.loads(boot.context)
+        boot.context = b""  # the pickle is not needed once loaded; don't fork it into workers
     except Exception as exc:
         send_frame(control, BootFailed(error=f"{type(exc).__name__}: {exc}"))
         return 1
