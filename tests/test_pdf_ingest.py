@@ -8,7 +8,7 @@ import pytest
 from fpdf import FPDF
 
 from rlmtrain.envs.evidence import EvidenceEnv
-from rlmtrain.envs.pdf import cli, find_abstract, parse_pdf, read_corpus
+from rlmtrain.envs.pdf import clean_pages, cli, find_abstract, parse_pdf, read_corpus
 from rlmtrain.envs.synth import synthesize
 
 
@@ -62,6 +62,15 @@ def test_cleaning_headers_page_numbers_hyphens(tmp_path):
     assert " 2 " not in f" {text} " and " 3 " not in f" {text} "  # page numbers dropped
     assert "  " not in text and "\n" not in text
     assert paper.pages == 3 and paper.id == "p"
+
+
+def test_clean_pages_page_number_forms():
+    numbers = ["iv", "Page 5 of 12", "6 / 12", "vii"]
+    bodies = [["Alpha text.", "Ends here."], ["Beta words.", "Go on."], ["Gamma."], ["Delta."]]
+    pages = ["\r\n".join([number, *body]) for number, body in zip(numbers, bodies, strict=True)]
+    assert clean_pages(pages) == bodies
+    # Words made only of numeral letters are not page numbers.
+    assert clean_pages(["civil\r\nill\r\nText."]) == [["civil", "ill", "Text."]]
 
 
 def test_single_page_keeps_its_only_header_but_drops_the_number(tmp_path):

@@ -188,8 +188,9 @@ def _largest_font_run(textpage) -> str:
 # pdfium reports a hyphen at a line end as U+FFFE (older builds: U+0002) and drops the break.
 _SOFT_HYPHENS = ("\ufffe", "\x02")
 _EDGE_LINES = 3
+_ROMAN = r"(?=[ivxlc])c{0,3}(xc|xl|l?x{0,3})(ix|iv|v?i{0,3})"
 _PAGE_NUMBER = re.compile(
-    r"^(page\s*)?(\d{1,4}|[ivxlc]{1,7})(\s*(/|of)\s*\d{1,4})?$", re.IGNORECASE
+    rf"^(page\s*)?(\d{{1,4}}|{_ROMAN})(\s*(/|of)\s*\d{{1,4}})?$", re.IGNORECASE
 )
 _DIGITS = re.compile(r"\d+")
 _SPACES = re.compile(r"\s+")
