@@ -162,6 +162,9 @@ def test_cache_misuse_is_named():
     model.prefill(cache, [4], [torch.arange(3)])
     with pytest.raises(ValueError, match="sequence 4 is already"):
         model.prefill(cache, [4], [torch.arange(3)])
+    with pytest.raises(ValueError, match="sequence 5 is already"):
+        model.prefill(cache, [5, 5], [torch.arange(3), torch.arange(2)])
+    assert 5 not in cache and cache.free_tokens == 56
     with pytest.raises(KeyError, match="sequence 9 is not"):
         model.decode(cache, [9], torch.tensor([1]))
     with pytest.raises(ValueError, match="one token per seq_id"):

@@ -63,9 +63,8 @@ class KVCache:
         shape = (args.num_layers, self.num_pages * page_size, args.num_kv_heads, args.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self._free_pages = list(
-            range(self.num_pages - 1, -1, -1)
-        )  # pop() hands out low pages first
+        # A stack: pop() hands out the lowest free page, evict() pushes pages back on top.
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
 
@@ -113,7 +112,7 @@ class KVCache:
     def _admit(self, seq_ids: list[int], lengths: list[int]) -> Tensor:
         """Reserve pages for new sequences; their slots, concatenated in order, `[sum(lengths)]`."""
         for seq_id in seq_ids:
-            if seq_id in self._pages:
+            if seq_id in self._pages or seq_ids.count(seq_id) > 1:
                 raise ValueError(f"sequence {seq_id} is already in the KV cache")
         needed = sum(math.ceil(n / self.page_size) for n in lengths)
         if needed > len(self._free_pages):
@@ -144,14 +143,15 @@ class KVCache:
         for seq_id in growing:
             self._pages[seq_id].append(self._free_pages.pop())
         positions = [self._lengths[s] for s in seq_ids]
-        slots = torch.cat(
-            [self._slots(s, p, p + 1) for s, p in zip(seq_ids, positions, strict=True)]
-        )
+        slots = [
+            self._pages[s][p // self.page_size] * self.page_size + p % self.page_size
+            for s, p in zip(seq_ids, positions, strict=True)
+        ]
         for seq_id in seq_ids:
             self._lengths[seq_id] += 1
         device = self.keys.device
-        lengths = torch.tensor([p + 1 for p in positions], device=device)
-        return torch.tensor(positions, device=device), slots, lengths
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
+        return as_tensor(positions), as_tensor(slots), as_tensor([p + 1 for p in positions])
 
     def _slot_table(self, seq_ids: list[int]) -> Tensor:
         """`[B, P_max * page_size]` slots of each sequence's pages; padding points at slot 0."""
