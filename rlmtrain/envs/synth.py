@@ -4,9 +4,10 @@ Why render at all: the environment's paper text must carry real parser noise (ru
 page numbers, undone hyphenation, two-column order), and the cheapest honest way to get it is to
 print papers with fpdf2 and read them back through `envs.pdf`, the same pipeline real PDFs use.
 
-A group shares one research area (vocabulary in `_AREAS`: task, datasets, metric, baselines,
-techniques, limitations). Each paper gets an invented method name, one technique, 2-3 datasets and
-3-4 baselines, and the sections of a short paper; four kinds of paragraph are planted as evidence:
+A group shares one research area (`_AREAS`: task, datasets, metric, baselines, techniques;
+limitations and filler sentences are common to all areas). Each paper gets an invented method
+name, one technique, 2-3 datasets and 3-4 baselines, and the sections of a short paper; four
+kinds of paragraph are planted as evidence:
 
     datasets   "4.1 Datasets"        answers  which datasets evaluate <method>?
     baselines  "4.2 Baselines"       answers  which baselines do <technique> methods compare with?
@@ -239,7 +240,6 @@ class _PaperSpec(msgspec.Struct, kw_only=True):
     method: str
     technique: str
     datasets: list[str]
-    baselines: list[str]
     sections: list[tuple[str, list[str]]]
     """(heading, paragraphs); heading "" = the abstract."""
     evidence: dict[str, str]
@@ -256,22 +256,9 @@ def _cap(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-_MINOR_WORDS = {
-    "a",
-    "an",
-    "and",
-    "as",
-    "at",
-    "by",
-    "for",
-    "in",
-    "of",
-    "on",
-    "or",
-    "the",
-    "to",
-    "with",
-}
+_MINOR_WORDS = frozenset(
+    _words("a | an | and | as | at | by | for | in | of | on | or | the | to | with")
+)
 
 
 def _title_case(text: str) -> str:
@@ -408,7 +395,6 @@ def _paper(
         method=method,
         technique=technique,
         datasets=datasets,
-        baselines=baselines,
         sections=sections,
         evidence=evidence,
         two_columns=rng.random() < 0.5,
