@@ -1,0 +1,404 @@
+"""The rollout scheduler: every trajectory of every tree as a coroutine over one shared engine.
+
+`Scheduler.rollout(tasks, env, n_samples)` runs G = n_samples root trajectories per task and all
+the children their REPL code asks for, and returns one `RolloutGroup` per task. There are no
+rounds and no thread pool: each trajectory is an asyncio task running `rlm.agent.run_trajectory`,
+so a trajectory waits only for its own engine requests and its own children, and the engine's
+continuous batching sees every live request at once. Children are spawned as tasks of their tree
+(`spawn` runs a call's children concurrently and answers in order).
+
+Admission and priority:
+- trees: at most `max_live_trees` roots run at once, admitted in task order; one REPL zygote per
+  task (its context loaded once, shared copy-on-write by the G roots and their children), closed
+  when the task's last tree ends;
+- engine requests: at most `max_inflight_requests` in flight, the rest queued by priority
+  (deeper first so blocked parents resume sooner, then older trees so trees finish rather than
+  all progressing slowly);
+- REPL workers: at most `max_live_workers`, same priority, with a per-depth reserve that makes
+  the limit deadlock-free (see `gate.py`). Plain LM calls at the depth limit need no worker.
+
+Limits on turns, depth, children and tokens are enforced by `run_trajectory`; the scheduler adds
+the wall clock: every trajectory of a tree shares the deadline `tree_timeout_s` after the root's
+admission, and ends with finish_reason "timeout" (a child's timeout is reported to its parent as
+an answer string, as any failed child is). `abort(root_id)` cancels a whole tree: its engine
+requests are cancelled (the engine frees their batch slots), its workers killed, and its
+unfinished trajectories keep finish_reason "aborted".
+
+The REPL is reached through `start_zygote` (default: `rlm.repl.Zygote.start` with the config's
+limits), which a benchmark may replace to drive the engine path without executing code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from rlmtrain.config import RolloutConfig
+from rlmtrain.rlm.agent import (
+    Agent,
+    AgentLimits,
+    ChatTokenizer,
+    ChildCall,
+    child_answer,
+    root_trajectory,
+    run_plain_call,
+    run_trajectory,
+)
+from rlmtrain.rlm.records import RolloutGroup, Trajectory
+from rlmtrain.rlm.repl import ExecResult, QueryHandler, ReplLimits, Zygote
+from rlmtrain.rollout.engine import Completion, Engine, SamplingParams
+from rlmtrain.rollout.gate import PriorityGate
+from rlmtrain.rollout.metrics import (
+    OccupancySample,
+    RolloutMetrics,
+    occupancy_between,
+    summarise,
+)
+
+__all__ = ["ReplHost", "ReplSession", "Scheduler", "StartZygote"]
+
+log = logging.getLogger("rlmtrain.rollout")
+
+
+class ReplSession(Protocol):
+    async def exec(self, code: str, on_query: QueryHandler | None = None) -> ExecResult: ...
+
+    async def close(self) -> None: ...
+
+
+class ReplHost(Protocol):
+    """What the scheduler needs of a `rlm.repl.Zygote`."""
+
+    async def session(self, *, context: Any | None = None) -> ReplSession: ...
+
+    def live_workers(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+StartZygote = Callable[..., Awaitable[ReplHost]]
+"""start_zygote(context=..., tool_modules=[...]) -> a started zygote."""
+
+
+@dataclasses.dataclass(eq=False)
+class _TaskRun:
+    """One task's G trees and the zygote they share."""
+
+    task: Any
+    group: RolloutGroup
+    zygote: ReplHost | None = None
+    zygote_ready: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    trees_left: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Tree:
+    run: _TaskRun
+    root: Trajectory
+    order: int
+    deadline: float
+    tasks: set[asyncio.Task[Any]] = dataclasses.field(default_factory=set)
+    aborted: bool = False
+
+    @contextlib.contextmanager
+    def timeout_on_cancel(self, trajectory: Trajectory) -> Iterator[None]:
+        """Mark `trajectory` "timeout" when it is cancelled because its tree's deadline passed.
+
+        At the deadline every trajectory of the tree times out at once; a parent's timeout
+        cancels its children before their own timeouts fire, which would leave them "aborted".
+        """
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not self.aborted and asyncio.get_running_loop().time() >= self.deadline:
+                trajectory.finish_reason = "timeout"
+            raise
+
+
+class Scheduler:
+    """Runs rollouts of an environment's tasks on `engine`; see the module docstring.
+
+    sampling: temperature, top-p/k and seed (per-turn max_new_tokens and stops are set by the
+    agent from the limits); default: the config's temperature and top_p, no seed.
+    metrics_every_s: how often the engine's counters are sampled into `metrics.timeline`.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: ChatTokenizer,
+        config: RolloutConfig,
+        *,
+        sampling: SamplingParams | None = None,
+        start_zygote: StartZygote | None = None,
+        metrics_every_s: float = 0.5,
+    ) -> None:
+        if config.max_live_workers < config.max_depth + 1:
+            raise ValueError(
+                f"rollout.max_live_workers={config.max_live_workers} must be at least "
+                f"max_depth + 1 = {config.max_depth + 1}: one worker per REPL level of a tree"
+            )
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.limits = AgentLimits.from_config(config)
+        self.sampling = sampling or SamplingParams(
+            temperature=config.temperature, top_p=config.top_p
+        )
+        if start_zygote is None:
+            repl_limits = ReplLimits(
+                exec_timeout_s=config.repl_timeout_s,
+                memory_mb=config.repl_memory_mb,
+                output_limit_chars=config.output_limit_chars,
+            )
+
+            async def start_zygote(*, context: Any, tool_modules: list[str]) -> ReplHost:
+                return await Zygote.start(
+                    context=context, tool_modules=tool_modules, limits=repl_limits
+                )
+
+        self.start_zygote = start_zygote
+        self.metrics_every_s = metrics_every_s
+        self.metrics: RolloutMetrics | None = None
+        """The last rollout's metrics."""
+        self.on_tree_done: Callable[[Trajectory], None] | None = None
+        """Called with each root as its tree ends (progress display)."""
+        self._requests = PriorityGate(config.max_inflight_requests, "max_inflight_requests")
+        self._workers = PriorityGate(config.max_live_workers, "max_live_workers")
+        self._trees: dict[str, _Tree] = {}
+        self._zygotes: set[ReplHost] = set()
+        self._order = itertools.count()
+
+    # -- public ----------------------------------------------------------------------------
+
+    async def rollout(self, tasks: Sequence[Any], env: Any, n_samples: int) -> list[RolloutGroup]:
+        """G = n_samples trees per task; one RolloutGroup per task, in task order."""
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        runs = [
+            _TaskRun(
+                task=task, group=RolloutGroup(task=task, trajectories=[]), trees_left=n_samples
+            )
+            for task in tasks
+        ]
+        trees = asyncio.Semaphore(self.config.max_live_trees)
+        latencies: list[float] = []
+        start_stats = msgspec.structs.replace(self.engine.stats())
+        timeline: list[OccupancySample] = []
+        began = time.perf_counter()
+        sampler = asyncio.create_task(self._sample_engine(began, timeline), name="metrics")
+
+        async def one_tree(run: _TaskRun, sample_idx: int) -> None:
+            async with trees:
+                admitted = time.perf_counter()
+                await self._run_tree(run, env, sample_idx)
+                latencies.append(time.perf_counter() - admitted)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for run in runs:
+                    for sample_idx in range(n_samples):
+                        group.create_task(one_tree(run, sample_idx))
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+            await asyncio.gather(*(self._close_zygote(r) for r in runs))
+        groups = [run.group for run in runs]
+        end_stats = self.engine.stats()
+        self.metrics = summarise(
+            groups,
+            wall_s=time.perf_counter() - began,
+            tree_latencies_s=latencies,
+            start=start_stats,
+            end=end_stats,
+            timeline=timeline,
+        )
+        return groups
+
+    def abort(self, root_id: str) -> bool:
+        """Cancel the tree of `root_id`; False if no such tree is running."""
+        tree = self._trees.get(root_id)
+        if tree is None:
+            return False
+        tree.aborted = True
+        for task in list(tree.tasks):
+            task.cancel()
+        return True
+
+    def live(self) -> dict[str, int]:
+        """What is running now: trees, trajectory tasks, engine requests (held and queued),
+        REPL workers and zygotes; all zero between rollouts."""
+        return {
+            "trees": len(self._trees),
+            "tasks": sum(len(t.tasks) for t in self._trees.values()),
+            "requests": self._requests.held + self._requests.waiting,
+            "workers": sum(z.live_workers() for z in self._zygotes),
+            "worker_slots": self._workers.held + self._workers.waiting,
+            "zygotes": len(self._zygotes),
+        }
+
+    # -- trees -----------------------------------------------------------------------------
+
+    async def _run_tree(self, run: _TaskRun, env: Any, sample_idx: int) -> None:
+        root = root_trajectory(run.task.id, sample_idx, run.task.query)
+        run.group.trajectories.append(root)
+        loop = asyncio.get_running_loop()
+        tree = _Tree(
+            run=run,
+            root=root,
+            order=next(self._order),
+            deadline=loop.time() + self.config.tree_timeout_s,
+        )
+        self._trees[root.id] = tree
+        try:
+            zygote = await self._zygote(run, env)
+            task = self._start(tree, self._run_with_repl(tree, env, zygote, root, context=None))
+            try:
+                await task
+            except asyncio.CancelledError:
+                # abort() cancelled the tree: its records stay "aborted"; a cancelled rollout
+                # cancels this coroutine too, and that must propagate.
+                if asyncio.current_task().cancelling():
+                    raise
+        except Exception as exc:  # no zygote, or the engine refused a request
+            _failed(root, exc)
+        finally:
+            del self._trees[root.id]
+            run.trees_left -= 1
+            if run.trees_left == 0:
+                await self._close_zygote(run)
+            if self.on_tree_done is not None:
+                self.on_tree_done(root)
+
+    def _start(self, tree: _Tree, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coroutine)
+        tree.tasks.add(task)
+        task.add_done_callback(tree.tasks.discard)
+        return task
+
+    async def _zygote(self, run: _TaskRun, env: Any) -> ReplHost:
+        async with run.zygote_ready:
+            if run.zygote is None:
+                run.zygote = await self.start_zygote(
+                    context=env.context(run.task), tool_modules=env.tool_modules()
+                )
+                self._zygotes.add(run.zygote)
+            return run.zygote
+
+    async def _close_zygote(self, run: _TaskRun) -> None:
+        zygote, run.zygote = run.zygote, None
+        if zygote is not None:
+            self._zygotes.discard(zygote)
+            await zygote.close()
+
+    # -- trajectories ------------------------------------------------------------------------
+
+    def _agent(self, env: Any, tree: _Tree, depth: int) -> Agent:
+        priority = (-depth, tree.order)
+
+        async def generate(prompt_ids: list[int], params: SamplingParams) -> Completion:
+            async with self._requests.slot(priority):
+                return await self.engine.generate(prompt_ids, params)
+
+        return Agent(
+            env=env,
+            generate=generate,
+            tokenizer=self.tokenizer,
+            limits=self.limits,
+            sampling=self.sampling,
+        )
+
+    async def _run_with_repl(
+        self, tree: _Tree, env: Any, zygote: ReplHost, trajectory: Trajectory, context: Any
+    ) -> None:
+        depth = trajectory.depth
+        reserve = max(self.config.max_depth - depth, 0)
+        async with self._workers.slot((-depth, tree.order), reserve=reserve):
+            try:
+                session = await zygote.session(context=context)
+            except Exception as exc:  # no worker: the trajectory fails, its parent is told
+                _failed(trajectory, exc)
+                return
+            try:
+
+                async def spawn(calls: list[ChildCall]) -> list[str]:
+                    return await self._spawn(tree, env, zygote, calls)
+
+                with tree.timeout_on_cancel(trajectory):
+                    await run_trajectory(
+                        self._agent(env, tree, depth),
+                        trajectory,
+                        task=tree.run.task,
+                        session=session,
+                        spawn=spawn,
+                        context=context,
+                        deadline=tree.deadline,
+                    )
+            finally:
+                await session.close()
+
+    async def _spawn(
+        self, tree: _Tree, env: Any, zygote: ReplHost, calls: list[ChildCall]
+    ) -> list[str]:
+        tree.run.group.trajectories.extend(call.trajectory for call in calls)
+        children = []
+        for call in calls:
+            if call.with_repl:
+                child = self._run_with_repl(tree, env, zygote, call.trajectory, call.context)
+            else:
+                child = self._run_plain(tree, env, call)
+            children.append(self._start(tree, child))
+        results = await asyncio.gather(*children, return_exceptions=True)
+        answers = []
+        for call, result in zip(calls, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                _failed(call.trajectory, result)
+            answers.append(child_answer(call.trajectory))
+        return answers
+
+    async def _run_plain(self, tree: _Tree, env: Any, call: ChildCall) -> None:
+        with tree.timeout_on_cancel(call.trajectory):
+            await run_plain_call(
+                self._agent(env, tree, call.trajectory.depth),
+                call.trajectory,
+                context=call.context,
+                deadline=tree.deadline,
+            )
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    async def _sample_engine(self, began: float, timeline: list[OccupancySample]) -> None:
+        previous = msgspec.structs.replace(self.engine.stats())
+        previous_t = time.perf_counter()
+        while True:
+            await asyncio.sleep(self.metrics_every_s)
+            now = msgspec.structs.replace(self.engine.stats())
+            t = time.perf_counter()
+            occupancy, busy_s = occupancy_between(previous, now)
+            timeline.append(
+                OccupancySample(
+                    t=t - began,
+                    occupancy=occupancy,
+                    busy=busy_s / (t - previous_t),
+                    running=now.running,
+                    waiting=now.waiting,
+                )
+            )
+            previous, previous_t = now, t
+
+
+def _failed(trajectory: Trajectory, exc: BaseException) -> None:
+    """A trajectory the scheduler could not run (no REPL worker, engine error): "error"; its
+    parent's rlm_query gets `child_answer`'s explanation."""
+    log.warning("trajectory %s failed: %s: %s", trajectory.id, type(exc).__name__, exc)
+    trajectory.finish_reason = "error"

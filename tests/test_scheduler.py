@@ -1,0 +1,477 @@
+"""The scheduler end to end: SimEngine with scripted replies, the real jailed REPL.
+
+The "model" is a function of (query, turn) returning reply text (plain LM calls get turn -1),
+served by `SimEngine` through the byte tokenizer with a small step latency, so requests really
+batch and interleave. Every rollout is checked for leaks: no live trees, tasks, engine requests,
+worker slots or zygotes in the scheduler, no running or queued request in the engine, no worker
+process left below this one and no REPL temp dir left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from rlmtrain.config import RolloutConfig
+from rlmtrain.envs.base import Env, Task
+from rlmtrain.model.tokenizer import ByteTokenizer
+from rlmtrain.rlm.prompts import PLAIN_CALL_SYSTEM
+from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rollout.engines.sim import LatencyModel, SimEngine, text_script
+from rlmtrain.rollout.scheduler import Scheduler
+
+TOKENIZER = ByteTokenizer()
+Script = Callable[[str, int], str]
+"""(query, 0-based turn) -> reply text; plain LM calls get turn -1."""
+NEVER = "<generate until max_new_tokens>"
+
+
+class DocEnv(Env):
+    def system_prompt(self) -> str:
+        return "Strategy: look at the document, then answer."
+
+    def context(self, task: Task) -> Any:
+        return {"doc": "the quick brown fox"}
+
+    def tool_modules(self) -> list[str]:
+        return ["textwrap"]
+
+
+def code(*lines: str) -> str:
+    return "```python\n" + "\n".join(lines) + "\n```\n"
+
+
+def reply_of(script: Script) -> Callable[[str], str]:
+    def reply(prompt: str) -> str:
+        if PLAIN_CALL_SYSTEM in prompt:
+            question = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+            return script(question, -1)
+        query, turn = re.findall(r"Query: (.*?)\n\nThis is turn (\d+) of", prompt, re.S)[-1]
+        text = script(query, int(turn) - 1)
+        return "x" * 100_000 if text == NEVER else text
+
+    return reply
+
+
+def _descendants() -> set[int]:
+    """Live processes below this one (a zombie counts too)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, stack = set(), [os.getpid()]
+    while stack:
+        for pid in children.get(stack.pop(), []):
+            found.add(pid)
+            stack.append(pid)
+    return found
+
+
+def make(script: Script, **config: Any) -> tuple[Scheduler, SimEngine]:
+    engine = SimEngine(
+        script=text_script(TOKENIZER, reply_of(script)),
+        eos_id=TOKENIZER.eos_id,
+        latency=LatencyModel(a=0.002, b=0.0001),
+        max_batch_size=8,
+        decode=TOKENIZER.decode,
+    )
+    defaults = {
+        "max_turns": 4,
+        "max_depth": 2,
+        "max_new_tokens": 512,
+        "max_prompt_tokens": 16384,
+        "repl_timeout_s": 5.0,
+        "tree_timeout_s": 60.0,
+    }
+    scheduler = Scheduler(engine, TOKENIZER, RolloutConfig(**{**defaults, **config}))
+    return scheduler, engine
+
+
+def run(
+    scheduler: Scheduler,
+    engine: SimEngine,
+    tmp_path: Path,
+    *,
+    tasks: list[Task] | None = None,
+    n_samples: int = 1,
+    during: Callable[[Scheduler, SimEngine], Any] | None = None,
+) -> list[RolloutGroup]:
+    """One rollout, with `during(scheduler, engine)` run beside it; then the leak checks."""
+    tasks = tasks or [Task(id="t0", query="ROOT")]
+    before = _descendants()
+    temp_root = tmp_path / "tmp"
+    temp_root.mkdir()
+
+    async def main() -> list[RolloutGroup]:
+        rollout = asyncio.create_task(scheduler.rollout(tasks, DocEnv(), n_samples))
+        if during is not None:
+            await during(scheduler, engine)
+        groups = await rollout
+        assert set(scheduler.live().values()) == {0}, scheduler.live()
+        stats = engine.stats()
+        assert (stats.running, stats.waiting) == (0, 0)
+        await engine.wait_idle()
+        await engine.close()
+        return groups
+
+    saved, tempfile.tempdir = tempfile.tempdir, str(temp_root)
+    try:
+        groups = asyncio.run(main())
+    finally:
+        tempfile.tempdir = saved
+    assert _descendants() - before == set()
+    assert list(temp_root.iterdir()) == []
+    for group in groups:
+        check_links(group)
+    return groups
+
+
+def check_links(group: RolloutGroup) -> None:
+    by_id = group.by_id()
+    assert len(by_id) == len(group.trajectories)
+    for trajectory in group.trajectories:
+        if trajectory.parent_id is not None:
+            parent = by_id[trajectory.parent_id]
+            assert trajectory.id in parent.children
+            assert trajectory.depth == parent.depth + 1
+        for turn in trajectory.turns:
+            assert len(turn.completion_ids) == len(turn.sampler_logprobs)
+    loaded = msgspec.json.decode(msgspec.json.encode(group), type=RolloutGroup)
+    assert loaded.trajectories == group.trajectories
+
+
+def shape(group: RolloutGroup, trajectory_id: str) -> Any:
+    """A tree as nested (id, finish_reason, [children...])."""
+    t = group.by_id()[trajectory_id]
+    return (t.id, t.finish_reason, [shape(group, c) for c in t.children])
+
+
+# ---------------------------------------------------------------------------------------------
+# Tree shapes
+# ---------------------------------------------------------------------------------------------
+
+
+def fan_out_script(query: str, turn: int) -> str:
+    if query == "ROOT":
+        if turn == 0:
+            return code("answers = rlm_query_batched(['slow', 'mid', 'fast'])", "print(answers)")
+        return code("FINAL('|'.join(answers))")
+    if query == "slow":  # three turns: finishes last, answers first
+        if turn < 2:
+            return code(f"print({turn})")
+        return code("FINAL('S')")
+    if query == "mid":
+        return code("inner = rlm_query('leaf')", "FINAL('M' + inner)")
+    if query == "fast":
+        return code("FINAL('F')")
+    if query == "leaf":
+        return code("FINAL('L')")
+    raise AssertionError(f"unscripted query {query!r}")
+
+
+def test_tree_shape_and_batched_answers_in_order(tmp_path: Path) -> None:
+    scheduler, engine = make(fan_out_script)
+    [group] = run(scheduler, engine, tmp_path, n_samples=2)
+    for root in group.roots:
+        assert root.answer == "S|ML|F"
+        rid = root.id
+        assert shape(group, rid) == (
+            rid,
+            "final",
+            [
+                (f"{rid}.0", "final", []),
+                (f"{rid}.1", "final", [(f"{rid}.1.0", "final", [])]),
+                (f"{rid}.2", "final", []),
+            ],
+        )
+        by_id = group.by_id()
+        assert len(by_id[f"{rid}.0"].turns) == 3
+        # The fast child really finished before the slow one: they ran concurrently.
+        assert by_id[f"{rid}.2"].turns[-1].ended < by_id[f"{rid}.0"].turns[-1].ended
+    assert len(group.trajectories) == 2 * 5
+    metrics = scheduler.metrics
+    assert metrics.trees == 2 and metrics.trajectories == 10
+    assert metrics.children_per_root_mean == 4 and metrics.finish_reasons == {"final": 10}
+    assert metrics.generated_tokens == sum(
+        len(turn.completion_ids) for t in group.trajectories for turn in t.turns
+    )
+    # Every request the engine saw went through the agent's prompts (exact ids kept).
+    prompts = sorted(tuple(turn.prompt_ids) for t in group.trajectories for turn in t.turns)
+    assert prompts == sorted(tuple(p) for p, _ in engine.requests_seen)
+
+
+def test_groups_follow_task_order_with_g_roots_each(tmp_path: Path) -> None:
+    def script(query: str, turn: int) -> str:
+        return code(f"FINAL({query!r})")
+
+    tasks = [Task(id=f"t{i}", query=f"Q{i}") for i in range(5)]
+    scheduler, engine = make(script, max_live_trees=3)
+    groups = run(scheduler, engine, tmp_path, tasks=tasks, n_samples=3)
+    assert [g.task.id for g in groups] == [t.id for t in tasks]
+    for task, group in zip(tasks, groups, strict=True):
+        assert [r.sample_idx for r in group.roots] == [0, 1, 2]
+        assert [r.answer for r in group.roots] == [task.query] * 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits, each with its finish reason or refusal
+# ---------------------------------------------------------------------------------------------
+
+
+def test_max_turns(tmp_path: Path) -> None:
+    scheduler, engine = make(lambda q, t: code("print('still looking')"), max_turns=3)
+    [group] = run(scheduler, engine, tmp_path)
+    [root] = group.roots
+    assert root.finish_reason == "max_turns" and len(root.turns) == 3
+
+
+def test_max_new_tokens_cuts_completion(tmp_path: Path) -> None:
+    scheduler, engine = make(lambda q, t: NEVER, max_new_tokens=40, max_turns=2)
+    [group] = run(scheduler, engine, tmp_path)
+    [root] = group.roots
+    assert [len(turn.completion_ids) for turn in root.turns] == [40, 40]
+    assert root.finish_reason == "max_turns"
+
+
+def test_max_prompt_tokens_ends_with_context(tmp_path: Path) -> None:
+    scheduler, engine = make(lambda q, t: code("print('y' * 3000)"), max_prompt_tokens=1200)
+    [group] = run(scheduler, engine, tmp_path)
+    [root] = group.roots
+    assert root.finish_reason == "context"
+    assert all(len(turn.prompt_ids) <= 1200 for turn in root.turns)
+
+
+def test_children_per_call_and_per_trajectory(tmp_path: Path) -> None:
+    def script(query: str, turn: int) -> str:
+        if query == "ROOT":
+            if turn == 0:
+                return code("a = rlm_query_batched(['c0', 'c1', 'c2'])", "print(a)")
+            if turn == 1:
+                return code("b = rlm_query_batched(['c3', 'c4'])", "print(b)")
+            return code("FINAL(repr(a + b))")
+        return code(f"FINAL({query!r})")
+
+    scheduler, engine = make(script, max_children_per_call=2, max_children_per_trajectory=3)
+    [group] = run(scheduler, engine, tmp_path)
+    [root] = group.roots
+    answers = eval(root.answer)  # the repr of a list of str written by the scripted code
+    assert answers[:2] == ["c0", "c1"]
+    assert "at most 2 prompts run per call" in answers[2]
+    assert answers[3] == "c3"
+    assert "used all 3 sub-queries" in answers[4]
+    assert len(root.children) == 3
+
+
+@pytest.mark.parametrize("mode", ["lm", "error"])
+def test_depth_limit(mode: str, tmp_path: Path) -> None:
+    def script(query: str, turn: int) -> str:
+        if turn == -1:  # a plain LM call: no code, the reply is the answer
+            return f"plain answer to {query}"
+        if query == "ROOT":
+            return code("FINAL(rlm_query('deep'))")
+        return code("FINAL('never reached')")
+
+    scheduler, engine = make(script, max_depth=0, depth_limit_mode=mode, max_live_workers=1)
+    [group] = run(scheduler, engine, tmp_path)
+    [root] = group.roots
+    if mode == "lm":
+        assert root.answer == "plain answer to deep"
+        [child] = [t for t in group.trajectories if t.parent_id]
+        assert child.finish_reason == "final" and len(child.turns) == 1
+        assert child.turns[0].code == ""
+    else:
+        assert "depth limit (0) is reached" in root.answer
+        assert len(group.trajectories) == 1
+
+
+def test_tree_timeout(tmp_path: Path) -> None:
+    def script(query: str, turn: int) -> str:
+        if query == "ROOT":
+            return code("FINAL(rlm_query('child'))")
+        return code("print('thinking')")  # the child never finishes on its own
+
+    scheduler, engine = make(script, max_turns=10_000, tree_timeout_s=1.5)
+    [group] = run(scheduler, engine, tmp_path)
+    assert {t.finish_reason for t in group.trajectories} == {"timeout"}
+    assert len(group.trajectories) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Failing children
+# ---------------------------------------------------------------------------------------------
+
+
+def test_failing_and_timed_out_children_answer_their_parent(tmp_path: Path) -> None:
+    def script(query: str, turn: int) -> str:
+        if query == "ROOT":
+            if turn == 0:
+                return code("a = rlm_query_batched(['ok', 'loops', 'hangs'])", "print(a)")
+            return code("FINAL(repr(a))")
+        if query == "ok":
+            return code("FINAL('fine')")
+        if query == "loops":
+            return code("raise ValueError('broken tool')")
+        if query == "hangs":
+            return code("import time", "time.sleep(60)")
+        raise AssertionError(query)
+
+    scheduler, engine = make(script, max_turns=2, repl_timeout_s=1.0)
+    [group] = run(scheduler, engine, tmp_path)
+    [root] = group.roots
+    ok, loops, hangs = eval(root.answer)
+    assert ok == "fine"
+    assert "rlm_query failed" in loops and "max_turns" in loops and "broken tool" in loops
+    assert "rlm_query failed" in hangs and "(error)" in hangs and "timed out" in hangs
+    by_id = group.by_id()
+    assert by_id[f"{root.id}.1"].finish_reason == "max_turns"
+    assert by_id[f"{root.id}.2"].finish_reason == "error"
+    assert root.finish_reason == "final"
+
+
+# ---------------------------------------------------------------------------------------------
+# Cancellation and leaks
+# ---------------------------------------------------------------------------------------------
+
+
+def test_abort_cancels_one_tree_and_kills_its_workers(tmp_path: Path) -> None:
+    def script(query: str, turn: int) -> str:
+        if query == "DOOMED":
+            return code("a = rlm_query_batched(['spin', 'spin'])")
+        if query == "spin":
+            return NEVER
+        return code("FINAL('done')")
+
+    tasks = [Task(id="doomed", query="DOOMED"), Task(id="fine", query="FINE")]
+    aborted: list[bool] = []
+
+    async def abort_when_children_generate(scheduler: Scheduler, engine: SimEngine) -> None:
+        # Wait for the doomed root and its two children to hold workers, the children generating.
+        while scheduler.live()["workers"] < 3 or engine.stats().running < 2:
+            await asyncio.sleep(0.01)
+        aborted.append(scheduler.abort("doomed#0"))
+        assert not scheduler.abort("no-such#0")
+
+    scheduler, engine = make(script, max_new_tokens=100_000, tree_timeout_s=60.0)
+    doomed, fine = run(
+        scheduler, engine, tmp_path, tasks=tasks, during=abort_when_children_generate
+    )
+    assert aborted == [True]
+    assert [t.finish_reason for t in doomed.trajectories] == ["aborted"] * 3
+    assert [r.answer for r in fine.roots] == ["done"]
+    assert engine.stats().requests_done == 2  # doomed's root turn and fine's; spins never ended
+
+
+def test_cancelled_rollout_leaves_nothing_running(tmp_path: Path) -> None:
+    def script(query: str, turn: int) -> str:
+        if query == "ROOT":
+            return code("rlm_query_batched(['a', 'b'])")
+        return code("import time", "time.sleep(30)")
+
+    scheduler, engine = make(script, n_samples=1)
+    before = _descendants()
+
+    async def main() -> None:
+        rollout = asyncio.create_task(
+            scheduler.rollout([Task(id="t", query="ROOT")], DocEnv(), 3)
+        )
+        while scheduler.live()["workers"] < 9:
+            await asyncio.sleep(0.01)
+        rollout.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await rollout
+        assert set(scheduler.live().values()) == {0}, scheduler.live()
+        await engine.close()
+
+    asyncio.run(main())
+    assert _descendants() - before == set()
+
+
+# ---------------------------------------------------------------------------------------------
+# Admission and priority
+# ---------------------------------------------------------------------------------------------
+
+
+def test_limits_on_trees_requests_and_workers_hold(tmp_path: Path) -> None:
+    def script(query: str, turn: int) -> str:
+        if query.startswith("Q"):
+            if turn == 0:
+                return code("a = rlm_query_batched(['x', 'y', 'z'])")
+            return code("FINAL(''.join(a))")
+        return code(f"FINAL({query!r})")
+
+    peaks = {"trees": 0, "requests": 0, "workers": 0, "running": 0}
+
+    async def watch(scheduler: Scheduler, engine: SimEngine) -> None:
+        await asyncio.sleep(0.05)
+        while scheduler.live()["trees"]:
+            live = scheduler.live()
+            peaks["trees"] = max(peaks["trees"], live["trees"])
+            peaks["requests"] = max(peaks["requests"], scheduler._requests.held)
+            peaks["workers"] = max(peaks["workers"], live["workers"])
+            peaks["running"] = max(peaks["running"], engine.stats().running)
+            await asyncio.sleep(0.002)
+
+    tasks = [Task(id=f"t{i}", query=f"Q{i}") for i in range(4)]
+    scheduler, engine = make(
+        script, max_live_trees=3, max_inflight_requests=4, max_live_workers=5, max_depth=1
+    )
+    groups = run(scheduler, engine, tmp_path, tasks=tasks, n_samples=2, during=watch)
+    assert all(r.answer == "xyz" for g in groups for r in g.roots)
+    assert 1 <= peaks["trees"] <= 3
+    assert 1 <= peaks["requests"] <= 4 and peaks["running"] <= 4
+    assert 1 <= peaks["workers"] <= 5
+
+
+def test_deeper_requests_go_first(tmp_path: Path) -> None:
+    """With one request in flight, a child's request overtakes the queued root requests."""
+    order: list[str] = []
+
+    def script(query: str, turn: int) -> str:
+        order.append(query)
+        if order.count("R") == 1:  # the first root served spawns a child
+            return code("FINAL(rlm_query('child'))")
+        return code(f"FINAL({query!r})")
+
+    scheduler, engine = make(script, max_inflight_requests=1, max_depth=1)
+    run(scheduler, engine, tmp_path, tasks=[Task(id="t", query="R")], n_samples=6)
+    # All six roots queue their first turn at once; the child arrives after the first one's
+    # REPL exec, behind the other five. In FIFO order it would run last (index 6); deeper
+    # first, it runs as soon as the request in flight ends.
+    assert len(order) == 7 and order.count("child") == 1
+    assert order.index("child") <= 3
+
+
+def test_worker_limit_is_deadlock_free_under_deep_trees(tmp_path: Path) -> None:
+    """Three levels of REPL trajectories, many trees, and only max_depth + 1 workers."""
+
+    def script(query: str, turn: int) -> str:
+        depth = query.count("/")
+        if depth < 2:
+            return code(f"FINAL('+'.join(rlm_query_batched(['{query}/a', '{query}/b'])))")
+        return code(f"FINAL({query!r})")
+
+    tasks = [Task(id=f"t{i}", query=f"q{i}") for i in range(3)]
+    scheduler, engine = make(script, max_depth=2, max_live_workers=3, max_live_trees=3)
+    groups = run(scheduler, engine, tmp_path, tasks=tasks, n_samples=2)
+    for i, group in enumerate(groups):
+        for root in group.roots:
+            assert root.answer == f"q{i}/a/a+q{i}/a/b+q{i}/b/a+q{i}/b/b"
+
+
+def test_worker_limit_below_depth_is_refused() -> None:
+    engine = SimEngine(script=lambda p, s: [], eos_id=0)
+    with pytest.raises(ValueError, match="max_live_workers=2 must be at least max_depth"):
+        Scheduler(engine, TOKENIZER, RolloutConfig(max_depth=2, max_live_workers=2))
