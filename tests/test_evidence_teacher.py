@@ -12,6 +12,7 @@ from rlmtrain.envs.evidence import EvidenceEnv
 from rlmtrain.envs.evidence_teacher import child_plan, child_prompt, parse_query, root_plan, teach
 from rlmtrain.envs.synth import synthesize
 from rlmtrain.model.tokenizer import ByteTokenizer
+from rlmtrain.rlm.agent import AgentLimits
 from rlmtrain.rlm.records import read_groups, write_groups
 
 MULTI_TASKS = 50
@@ -91,6 +92,12 @@ def test_plans_follow_the_query_and_refuse_strangers():
         parse_query("What is the meaning of life?")
     with pytest.raises(ValueError, match="without a 'Query:' line"):
         child_plan("Paper ID: p\nno query here")
+
+
+def test_teacher_refuses_limits_without_children(env_and_tasks):
+    env, tasks = env_and_tasks
+    with pytest.raises(ValueError, match="needs max_depth >= 1"):
+        asyncio.run(teach(env, tasks[:1], ByteTokenizer(), limits=AgentLimits(max_depth=0)))
 
 
 def test_root_plan_sends_one_child_per_picked_paper(env_and_tasks):

@@ -279,10 +279,15 @@ async def teach(
 ) -> list[RolloutGroup]:
     """One teacher tree per task (root + children), in task order; `concurrency` trees at once.
 
-    `limits` must allow depth 1 with a REPL (max_depth >= 1) and prompts of the byte length of
-    the system prompt plus history (the default here: 32k tokens, 5 turns).
+    `limits` must allow children with a REPL (max_depth >= 1), the plans' 5 turns, and prompts
+    as long as the system prompt plus history in the student's tokens (default: 32k tokens).
     """
     limits = limits or AgentLimits(max_turns=5, max_depth=1, max_prompt_tokens=32768)
+    if limits.max_depth < 1 or limits.max_turns < 5:
+        raise ValueError(
+            f"evidence teacher: needs max_depth >= 1 and max_turns >= 5, got "
+            f"max_depth={limits.max_depth}, max_turns={limits.max_turns}"
+        )
     gate = asyncio.Semaphore(concurrency)
 
     async def one(task: EvidenceTask) -> RolloutGroup:
