@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["TOOLS", "extract_section", "get_paper_abstract", "list_papers", "search"]
 
 LIST_ABSTRACT_CHARS = 300
-"""How much of each abstract list_papers prints (it returns nothing cut)."""
+"""How much of each abstract list_papers prints."""
 
 SENTENCE_REACH = 400
 """How far beyond the window a snippet may widen to reach a sentence boundary."""
@@ -47,7 +47,8 @@ def list_papers(ctx):
     """Print every paper of `ctx` (paper id -> {"title", "abstract", "text"}) as
     "[id] title" and its abstract (the first 300 characters, "..." when cut), in dict order,
     then return the list of titles in the same order. A paper without a title prints and
-    returns "(untitled)". An empty dict prints "(no papers)" and returns [].
+    returns "(untitled)". An empty dict prints "(no papers)" and returns []. A single paper
+    record ({"title", "abstract", "text"}) is listed as one paper with the id "paper".
     """
     papers = _papers(ctx, "list_papers")
     if not papers:
@@ -71,7 +72,8 @@ def search(text, keyword, window=300, bidirectional=True):
     - `text` a string: returns a list of snippet strings in text order; [] when there is no hit.
     - `text` a paper dict (paper id -> {"title", "abstract", "text"}, e.g. `context`): searches
       each paper's "text" and returns {paper id: [snippets]} holding only papers with a hit
-      ({} when none has one). A dict of plain strings is searched the same way.
+      ({} when none has one). A dict of plain strings is searched the same way; a single
+      paper record is searched as {"paper": record}.
     - Each snippet spans `window` characters before the hit (none when `bidirectional=False`),
       the hit, and `window` characters after it, clipped to the text's start and end, then
       widened to whole sentences (a sentence ends at . ! or ? followed by a space), by at most
