@@ -162,6 +162,11 @@ def test_list_papers_prints_and_returns_titles(capsys):
     assert speech.endswith("...") and len(speech) <= 303
 
 
+def test_list_papers_single_record(capsys):
+    assert list_papers(CTX["p1"]) == ["Graphs A"]
+    assert capsys.readouterr().out.startswith("[paper] Graphs A\n")
+
+
 def test_list_papers_empty_and_wrong_type(capsys):
     assert list_papers({}) == []
     assert capsys.readouterr().out == "(no papers)\n"
