@@ -226,7 +226,7 @@ def load_hf(
     for path in _weight_files(directory):
         named = _read_safetensors(path)
         if args.tie_word_embeddings:  # the embedding may sit in a later shard than the copy
-            named = _set_aside(named, _TIED_HEAD, lambda t, p=path: tied_copies.append((p, t)))
+            named = _set_aside(named, _TIED_HEAD, path, tied_copies)
         loaded |= load_hf_tensors(model, named, source=str(path))
     for path, tensor in tied_copies:
         _check_tied_duplicate(model, tensor, str(path))
@@ -253,11 +253,12 @@ def _weight_files(directory: Path) -> list[Path]:
 
 
 def _set_aside(
-    named: Iterable[tuple[str, Tensor]], name: str, keep
+    named: Iterable[tuple[str, Tensor]], name: str, path: Path, kept: list[tuple[Path, Tensor]]
 ) -> Iterator[tuple[str, Tensor]]:
+    """`named` without the tensor called `name`, which goes to `kept` with its file."""
     for item in named:
         if item[0] == name:
-            keep(item[1])
+            kept.append((path, item[1]))
         else:
             yield item
 
