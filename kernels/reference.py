@@ -14,8 +14,9 @@ Two gradient paths:
   arbitrary upstream gradient (the generic autograd op).
 - `linear_logprob_row_grads` serves fused losses whose gradient w.r.t. a token's log-prob depends
   only on that token (GRPO, NLL): it asks `row_grad(rows, logp)` for the coefficients as soon as a
-  row block's log-probs are known and, when the whole vocabulary fits one tile, reuses the logit
-  tile instead of recomputing it. That is 6·N·H·V FLOPs, the same as unfused autograd.
+  row block's log-probs are known and, when the whole vocabulary fits one tile, turns the tile of
+  exponentials into dL/dz in place instead of recomputing logits. That is 6·N·H·V FLOPs and one
+  exp per logit, as unfused autograd.
 
 Gradient of logp_t = z_t - lse w.r.t. the tempered logits z is onehot(t) - p; of the entropy
 H = lse - E_p[z] it is p * (E_p[z] - z). Rows whose target equals `ignore_index` get log-prob 0,
@@ -38,8 +39,10 @@ __all__ = [
     "linear_logprob_row_grads",
 ]
 
-# Elements in one fp32 logit tile (64 MiB): big enough for matmul efficiency, small next to N*V.
-DEFAULT_TILE_ELEMENTS = 1 << 24
+# Elements in one fp32 logit tile (256 MiB; 441 rows at V = 151936). Each row block streams the
+# whole weight through two matmuls and dWeight through one, so blocks of a few hundred rows keep
+# that traffic below the tile's own elementwise passes; still small next to N*V.
+DEFAULT_TILE_ELEMENTS = 1 << 26
 
 RowGrad = Callable[[slice, torch.Tensor], torch.Tensor]
 
@@ -77,18 +80,16 @@ def _block_stats(
     inv_t: float,
     chunk_vocab: int,
     with_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online log-sum-exp over the vocabulary for one row block.
 
-    Returns (lse, target logit, mean logit E_p[z] or empty, the logit tile when the vocabulary
-    was a single tile so that a gradient pass can reuse it, else None).
+    Returns (lse, target logit, mean logit E_p[z] or empty).
     """
     rows = x32.shape[0]
     running_max = x32.new_full((rows,), float("-inf"))
     sum_exp = x32.new_zeros(rows)
     sum_exp_z = x32.new_zeros(rows)
     target_z = x32.new_zeros(rows)
-    last = None
     for v0, z in _logit_tiles(x32, w32, inv_t, chunk_vocab):
         new_max = torch.maximum(running_max, z.amax(dim=1))
         rescale = torch.exp(running_max - new_max)
@@ -98,11 +99,25 @@ def _block_stats(
             sum_exp_z = sum_exp_z * rescale + (e * z).sum(dim=1)
         target_z += _target_logit(z, targets, v0)
         running_max = new_max
-        last = z
     lse = running_max + torch.log(sum_exp)
     mean_z = sum_exp_z / sum_exp if with_entropy else x32.new_empty(0)
-    reusable = last if chunk_vocab >= w32.shape[0] else None
-    return lse, target_z, mean_z, reusable
+    return lse, target_z, mean_z
+
+
+def _exp_tile_(
+    z: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole vocabulary in one tile: z becomes exp(z - rowmax) in place (no second exp is
+    needed for the gradient). Returns (lse, target logit, mean logit or empty, sum of exp)."""
+    target_z = _target_logit(z, targets, 0)
+    row_max = z.amax(dim=1)
+    z.sub_(row_max.unsqueeze(1))
+    shifted_mean = (z * torch.exp(z)).sum(dim=1) if with_entropy else None
+    z.exp_()
+    sum_exp = z.sum(dim=1)
+    lse = row_max + torch.log(sum_exp)
+    mean_z = row_max + shifted_mean / sum_exp if with_entropy else z.new_empty(0)
+    return lse, target_z, mean_z, sum_exp
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -135,7 +150,7 @@ def linear_logprob_forward(
     for r0 in range(0, n, chunk_rows):
         rows = slice(r0, r0 + chunk_rows)
         t = targets[rows]
-        block_lse, target_z, mean_z, _ = _block_stats(
+        block_lse, target_z, mean_z = _block_stats(
             hidden[rows].to(acc), w32, t, inv_t, chunk_vocab, with_entropy
         )
         valid = t != ignore_index
@@ -185,16 +200,10 @@ def _block_grads(
     inv_t: float,
     chunk_vocab: int,
     grad_weight: torch.Tensor | None,
-    reusable_logits: torch.Tensor | None,
 ) -> torch.Tensor:
     """dHidden [rows, H] fp32 for one row block; adds the block's dWeight into grad_weight."""
     grad_x = torch.zeros_like(x32)
-    tiles = (
-        [(0, reusable_logits)]
-        if reusable_logits is not None
-        else _logit_tiles(x32, w32, inv_t, chunk_vocab)
-    )
-    for v0, z in tiles:
+    for v0, z in _logit_tiles(x32, w32, inv_t, chunk_vocab):
         dz = _grad_logits_(z, targets, v0, lse, grad_logp, mean_z, grad_entropy, inv_t)
         w_tile = w32[v0 : v0 + dz.shape[1]]
         grad_x.addmm_(dz, w_tile)
@@ -251,7 +260,6 @@ def linear_logprob_backward(
             inv_t,
             chunk_vocab,
             grad_weight,
-            None,
         )
     return grad_hidden, grad_weight
 
@@ -289,20 +297,34 @@ def linear_logprob_row_grads(
     grad_weight = None
     if need_grads and need_grad_weight:
         grad_weight = torch.zeros(v, hidden.shape[1], dtype=acc, device=hidden.device)
+    single_tile = chunk_vocab >= v
     for r0 in range(0, n, chunk_rows):
         rows = slice(r0, min(r0 + chunk_rows, n))
         t = targets[rows]
         x32 = hidden[rows].to(acc)
-        lse, target_z, mean_z, z = _block_stats(x32, w32, t, inv_t, chunk_vocab, with_entropy)
+        if single_tile:
+            ((_, e),) = _logit_tiles(x32, w32, inv_t, chunk_vocab)
+            lse, target_z, mean_z, sum_exp = _exp_tile_(e, t, with_entropy)
+        else:
+            lse, target_z, mean_z = _block_stats(x32, w32, t, inv_t, chunk_vocab, with_entropy)
         valid = t != ignore_index
         logp[rows] = torch.where(valid, target_z - lse, 0.0)
         if with_entropy:
             entropy[rows] = torch.where(valid, lse - mean_z, 0.0)
-        if need_grads:
-            g = torch.where(valid, row_grad(rows, logp[rows]).to(acc), 0.0)
+        if not need_grads:
+            continue
+        g = torch.where(valid, row_grad(rows, logp[rows]).to(acc), 0.0)
+        if not single_tile:
             grad_hidden[rows] = _block_grads(
-                x32, w32, t, lse, g, None, None, inv_t, chunk_vocab, grad_weight, z
+                x32, w32, t, lse, g, None, None, inv_t, chunk_vocab, grad_weight
             )
+            continue
+        # dz = inv_t * g * (onehot - e / sum_exp), formed in place in the exp tile.
+        e.mul_((-g * inv_t / sum_exp).unsqueeze(1))
+        e.scatter_add_(1, t.clamp(min=0).unsqueeze(1), (g * inv_t).unsqueeze(1))
+        grad_hidden[rows] = e @ w32
+        if grad_weight is not None:
+            grad_weight.addmm_(e.T, x32)
     return logp, entropy, grad_hidden, grad_weight
 
 
