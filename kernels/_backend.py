@@ -1,7 +1,8 @@
 """Which implementation runs an op: the Triton kernels or the chunked torch backend.
 
 The kernels package is embedded by other trainers, so it probes its own backends here instead of
-importing the trainer's device module. Triton is usable when it imports and either the tensors
+importing the trainer's device module, and imports triton only here: without it the package still
+imports and the torch backend runs. Triton is usable when it imports and either the tensors
 live on a CUDA device or `TRITON_INTERPRET=1` was set before triton was imported (the interpreter
 runs the real kernels on CPU tensors, which is how the tests exercise them without a GPU).
 
@@ -11,19 +12,48 @@ an explicit `impl="triton"` that cannot run raises `KernelBackendUnavailable` na
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 
 import torch
 
-__all__ = ["IMPLS", "KernelBackendUnavailable", "resolve_impl", "triton_interpreting"]
+__all__ = [
+    "HAS_TRITON",
+    "IMPLS",
+    "KernelBackendUnavailable",
+    "resolve_impl",
+    "tl",
+    "triton",
+    "triton_interpreting",
+]
 
 log = logging.getLogger("rlmtrain.kernels")
 
 IMPLS = ("auto", "triton", "torch")
 
-HAS_TRITON: bool = importlib.util.find_spec("triton") is not None
+
+class _TritonMissing:
+    """Stands in for the triton module where it is not installed (CPU-only torch, macOS), so that
+    the kernel modules import and the torch backend runs; `resolve_impl` refuses impl="triton"
+    before any kernel could be launched."""
+
+    @staticmethod
+    def jit(fn):
+        return fn
+
+    @staticmethod
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    triton, tl = _TritonMissing(), None
+    HAS_TRITON = False
 
 
 class KernelBackendUnavailable(RuntimeError):

@@ -130,6 +130,7 @@ class LinearGRPOLossFunction(torch.autograd.Function):
         loss, sums, entropy, grad_hidden, grad_weight = _linear_grpo_fwd(hidden, weight, *args)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.num_args = len(args)
         ctx.mark_non_differentiable(sums, entropy)
         return loss, sums, entropy
 
@@ -137,7 +138,7 @@ class LinearGRPOLossFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_sums, grad_entropy):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        grads = [None] * 19
+        grads = [None] * (2 + ctx.num_args)
         if ctx.needs_input_grad[0]:
             grads[0] = (grad_hidden * grad_loss).to(hidden_dtype)
         if ctx.needs_input_grad[1]:

@@ -85,6 +85,7 @@ class LinearNLLFunction(torch.autograd.Function):
         loss, entropy, grad_hidden, grad_weight = _linear_nll_fwd(hidden, weight, *args)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.num_args = len(args)
         ctx.mark_non_differentiable(entropy)
         return loss, entropy
 
@@ -92,7 +93,7 @@ class LinearNLLFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_entropy):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        grads = [None] * 10
+        grads = [None] * (2 + ctx.num_args)
         if ctx.needs_input_grad[0]:
             grads[0] = (grad_hidden * grad_loss).to(hidden_dtype)
         if ctx.needs_input_grad[1]:

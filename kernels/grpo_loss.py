@@ -33,11 +33,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from . import reference
-from ._backend import resolve_impl
+from ._backend import resolve_impl, tl, triton
 
 __all__ = ["GRPOMetrics", "grpo_loss"]
 
@@ -348,12 +346,11 @@ def grpo_loss(
     Returns:
         (loss: fp32 0-dim, metrics: GRPOMetrics of fp32 0-dim tensors).
     """
-    n = logp.shape[0] if logp.dim() == 1 else -1
-    if n < 0:
+    if logp.dim() != 1:
         raise ValueError(f"grpo_loss: logp must be 1-D [N], got shape {list(logp.shape)}")
     check_token_tensors(
         "grpo_loss",
-        n,
+        logp.shape[0],
         logp.device,
         old_logp=old_logp,
         advantages=advantages,

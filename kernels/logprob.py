@@ -19,11 +19,9 @@ and differentiated by `LinearLogprobFunction`.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from . import reference
-from ._backend import resolve_impl, triton_interpreting
+from ._backend import resolve_impl, tl, triton, triton_interpreting
 
 __all__ = ["fused_linear_logprob"]
 

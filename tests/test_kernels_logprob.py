@@ -2,6 +2,11 @@
 own error at the same input dtype. The Triton cases run the real kernels (in the interpreter on
 CPU, compiled on CUDA when a GPU is present)."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from rlmtrain.kernels import KernelBackendUnavailable, fused_linear_logprob, reference
@@ -262,3 +267,30 @@ def test_bad_inputs_are_named():
         fused_linear_logprob(hidden, weight, targets, temperature=0.0)
     with pytest.raises(ValueError, match="impl='torch' only"):
         fused_linear_logprob(hidden.double(), weight.double(), targets, impl="triton")
+
+
+def test_imports_and_runs_without_triton():
+    """Embedders without triton (CPU-only torch, macOS) get the torch backend and a clear error
+    for impl="triton"; run in a fresh interpreter where importing triton fails."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["triton"] = None  # makes `import triton` raise ImportError
+        import torch
+        from rlmtrain.kernels import KernelBackendUnavailable, fused_linear_grpo_loss
+        from rlmtrain.kernels import fused_linear_logprob
+        x, w, t = torch.randn(5, 8), torch.randn(50, 8), torch.randint(0, 50, (5,))
+        assert fused_linear_logprob(x, w, t).shape == (5,)
+        z = torch.zeros(5)
+        fused_linear_grpo_loss(x, w, t, z, z, z)
+        try:
+            fused_linear_logprob(x, w, t, impl="triton")
+        except KernelBackendUnavailable as e:
+            assert "not installed" in str(e), e
+        else:
+            raise AssertionError("impl='triton' ran without triton")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
