@@ -143,18 +143,19 @@ def _grpo_loss_kernel(
             pg = pg + beta * kl
             dpg = dpg + beta * (1.0 - tl.exp(delta))
 
-    tl.store(GRAD_ptr + offs, w * dpg, mask=mask)
-    tl.store(LOSS_PARTIAL_ptr + pid, tl.sum(w * pg, axis=0))
-
+    # Weight-0 tokens are dropped with `where`, not multiplied by 0: their log-probs may be
+    # padding (an old_logp of -inf would make 0 * inf = nan).
     counted = mask & (w != 0.0)
+    tl.store(GRAD_ptr + offs, tl.where(counted, w * dpg, 0.0), mask=mask)
+    tl.store(LOSS_PARTIAL_ptr + pid, tl.sum(tl.where(counted, w * pg, 0.0), axis=0))
     cnt = counted.to(tl.float32)
     out = METRIC_PARTIAL_ptr + pid * NUM_SUMS
     tl.store(out + 0, tl.sum(cnt * ((adv < 0) & (ratio < low)).to(tl.float32), axis=0))
     tl.store(out + 1, tl.sum(cnt * ((adv > 0) & (ratio > high)).to(tl.float32), axis=0))
     tl.store(out + 2, tl.sum(cnt * dual_active.to(tl.float32), axis=0))
     tl.store(out + 3, tl.sum(cnt * tis_clipped.to(tl.float32), axis=0))
-    tl.store(out + 4, tl.sum(cnt * kl, axis=0))
-    tl.store(out + 5, tl.sum(cnt * ratio, axis=0))
+    tl.store(out + 4, tl.sum(tl.where(counted, kl, 0.0), axis=0))
+    tl.store(out + 5, tl.sum(tl.where(counted, ratio, 0.0), axis=0))
     tl.store(out + 6, tl.max(tl.where(counted, ratio, float("-inf")), axis=0))
     tl.store(out + 7, tl.sum(cnt, axis=0))
 

@@ -378,8 +378,10 @@ def grpo_forward(
         if beta != 0.0:
             pg = pg + beta * kl
             dpg = dpg + beta * (1.0 - torch.exp(delta))
-    loss = (w * pg).sum()
+    # Tokens of weight 0 are dropped with `where`, not multiplied by 0: their log-probs may be
+    # padding (an old_logp of -inf would make 0 * inf = nan).
     counted = w != 0
+    loss = torch.where(counted, w * pg, 0.0).sum()
     cnt = counted.float()
     masked_ratio = torch.where(counted, ratio, -math.inf)
     ratio_max = masked_ratio.amax() if n else ratio.new_tensor(-math.inf)
@@ -389,10 +391,10 @@ def grpo_forward(
             (cnt * ((adv > 0) & (ratio > high))).sum(),
             (cnt * dual_active).sum(),
             (cnt * tis_clipped).sum(),
-            (cnt * kl).sum(),
-            (cnt * ratio).sum(),
+            torch.where(counted, kl, 0.0).sum(),
+            torch.where(counted, ratio, 0.0).sum(),
             ratio_max,
             cnt.sum(),
         ]
     )
-    return loss, w * dpg, sums
+    return loss, torch.where(counted, w * dpg, 0.0), sums

@@ -169,6 +169,25 @@ def test_bf16_logp_gets_a_bf16_gradient_and_an_fp32_loss(impl):
     torch.testing.assert_close(grad.float(), expected, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_values_on_weight_zero_tokens_do_not_leak(impl):
+    """Dropped tokens may carry padding (-inf, huge values); nothing of them may reach the loss,
+    the gradient or the metrics (0 * inf would be nan)."""
+    logp, old, adv, w = hand_inputs("cpu")
+    w[[2, 5]] = 0.0
+    old[[2, 5]] = torch.tensor([-float("inf"), 1e6])
+    sampler, ref = old.clone(), logp - 0.1
+    sampler[2] = float("inf")
+    logp.requires_grad_()
+    loss, m = grpo_loss(
+        logp, old, adv, w, ref_logp=ref, beta=0.1, sampler_logp=sampler, tis_cap=2.0, impl=impl
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert all(torch.isfinite(v) for v in m)
+    assert grad[2].item() == 0.0 and grad[5].item() == 0.0
+
+
 def test_bad_options_are_named():
     logp, old, adv, w = hand_inputs("cpu")
     with pytest.raises(ValueError, match="needs ref_logp"):
