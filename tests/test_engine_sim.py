@@ -111,6 +111,8 @@ def test_batch_size_and_kv_budget_bound_admission() -> None:
 def test_latency_model_counts_batch_and_prefill() -> None:
     model = LatencyModel(a=0.01, b=0.001, c=0.0001)
     assert model.step_s(sequences=8, prefill_tokens=100) == pytest.approx(0.01 + 0.008 + 0.01)
+    cached = LatencyModel(cached_prefix_tokens=10)
+    assert (cached.prefill_tokens(25), cached.prefill_tokens(5)) == (15, 0)
 
 
 def test_close_aborts_and_refuses_new_requests() -> None:

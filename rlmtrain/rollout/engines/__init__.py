@@ -1,0 +1,66 @@
+"""Engines behind the `Engine` contract, and the one function that builds the configured one.
+
+Each engine lives in its own module and is imported only when chosen: `vllm` pulls in vLLM
+(GPU only, probed once in `rlmtrain.devices`), `native` the model code, `sim` nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlmtrain.devices import HAS_CUDA, HAS_VLLM, BackendUnavailable
+
+if TYPE_CHECKING:
+    from rlmtrain.config import Config
+    from rlmtrain.model.tokenizer import Tokenizer
+    from rlmtrain.rollout.engine import Engine
+
+__all__ = ["build_engine"]
+
+
+def build_engine(config: Config, tokenizer: Tokenizer) -> Engine:
+    """The engine `config.rollout.engine` names, serving `config.model`.
+
+    native: the model built from `config.model` (random init from its preset unless hf_dir is
+    set) on `config.train.device`; vllm: `config.model.hf_dir` served by vLLM in this process;
+    sim: pseudo-random tokens at no modelled cost (a smoke test of the scheduler).
+    """
+    rollout = config.rollout
+    if rollout.engine == "native":
+        import torch
+
+        from rlmtrain.model import build_model
+        from rlmtrain.rollout.engines.native import NativeEngine
+
+        device = config.train.device
+        if device == "auto":
+            device = "cuda" if HAS_CUDA else "cpu"
+        if device.startswith("cuda") and not HAS_CUDA:
+            raise BackendUnavailable(f"train.device={device!r} but CUDA is not available")
+        model = build_model(config.model).to(torch.device(device))
+        return NativeEngine(
+            model,
+            max_batch_size=rollout.max_batch_size,
+            kv_cache_tokens=rollout.kv_cache_tokens,
+            decode=tokenizer.decode,
+            seed=config.train.seed,
+        )
+    if rollout.engine == "vllm":
+        if not HAS_VLLM:
+            raise BackendUnavailable(
+                "rollout.engine='vllm' needs CUDA and the vllm package (pip install vllm)"
+            )
+        from rlmtrain.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine.from_config(config)
+    if rollout.engine == "sim":
+        from rlmtrain.rollout.engines.sim import SimEngine, hashed_script
+
+        return SimEngine(
+            script=hashed_script(tokenizer.vocab_size, max_tokens=rollout.max_new_tokens),
+            eos_id=tokenizer.eos_id,
+            max_batch_size=rollout.max_batch_size,
+            kv_budget_tokens=rollout.kv_cache_tokens,
+            decode=tokenizer.decode,
+        )
+    raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -48,6 +49,12 @@ class LatencyModel(msgspec.Struct, kw_only=True, frozen=True):
     """Cost per sequence in the step (its KV-cache reads)."""
     c: float = 0.0
     """Cost per prompt token prefilled in the step."""
+    cached_prefix_tokens: int = 0
+    """Leading prompt tokens of every request served from a prefix cache, not prefilled
+    (vLLM's prefix caching of the system prompt every turn shares)."""
+
+    def prefill_tokens(self, prompt_tokens: int) -> int:
+        return max(prompt_tokens - self.cached_prefix_tokens, 0)
 
     def step_s(self, sequences: int, prefill_tokens: int) -> float:
         return self.a + self.b * sequences + self.c * prefill_tokens
@@ -115,17 +122,20 @@ class SimEngine(BatchingEngine):
         """Every admitted request's prompt and params, in admission order (for tests)."""
 
     async def _step(self, admitted: list[Request], running: list[Request]) -> None:
+        prefill = sum(self.latency.prefill_tokens(len(r.prompt_ids)) for r in admitted)
+        done_at = time.perf_counter() + self.latency.step_s(len(admitted) + len(running), prefill)
         for request in admitted:
             request.state = list(self.script(request.prompt_ids, request.params))
             self.requests_seen.append((request.prompt_ids, request.params))
-        prefill = sum(len(r.prompt_ids) for r in admitted)
-        await asyncio.sleep(self.latency.step_s(len(admitted) + len(running), prefill))
         for request in [*admitted, *running]:
             position = len(request.token_ids)
             planned: list[int] = request.state
             token = planned[position] if position < len(planned) else self.eos_id
             request.token_ids.append(token)
             request.logprobs.append(_logprob(token, position))
+        # The bookkeeping above overlaps the modelled step, as a GPU engine's CPU work overlaps
+        # its kernels: a step lasts step_s, not step_s plus Python time (unless Python is slower).
+        await asyncio.sleep(max(done_at - time.perf_counter(), 0.0))
 
     def _release(self, request: Request) -> None:
         request.state = None

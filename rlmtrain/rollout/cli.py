@@ -1,0 +1,133 @@
+"""`rlmtrain rollout --config X --out rollouts.jsonl [--limit N]`: sample trees, write them.
+
+Runs the configured environment's tasks (`data.train_path`, or the synthetic evidence corpus
+made into `<checkpoint.dir>/data` when that is empty) through the scheduler on the configured
+engine, G = `rollout.n_samples` trees per task, with a progress bar on stderr (trees done,
+tokens/s, engine occupancy). The groups go to `--out` as msgspec JSONL (`records.write_groups`)
+before they are scored, so a failing reward never loses a rollout; the summary on stdout has the
+rollout metrics and the mean root reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlmtrain.config import Config, ConfigError, load_config
+from rlmtrain.devices import BackendUnavailable
+from rlmtrain.rlm.records import RolloutGroup, Trajectory, write_groups
+
+__all__ = ["cli", "load_tasks"]
+
+
+def load_tasks(config: Config, env: Any) -> list[Any]:
+    """The run's tasks: `data.train_path`, or the synthetic evidence corpus (made once)."""
+    if config.data.train_path:
+        path = Path(config.data.train_path)
+    elif config.data.env == "evidence":
+        from rlmtrain.envs.synth import synthesize
+
+        out = Path(config.checkpoint.dir) / "data"
+        path = out / "tasks.jsonl"
+        if not path.is_file():
+            synthesize(out, groups=config.data.synth_groups, seed=config.data.seed, progress=True)
+    else:
+        raise ConfigError(f"data.train_path: required for env '{config.data.env}'")
+    if not path.is_file():
+        raise ConfigError(f"data.train_path: {path} not found")
+    return env.load_tasks(path)
+
+
+class _Progress:
+    """A tqdm bar over trees; its postfix reads the engine's counters."""
+
+    def __init__(self, total: int, engine: Any) -> None:
+        from tqdm import tqdm
+
+        self.engine = engine
+        self.began = time.perf_counter()
+        self.bar = tqdm(total=total, desc="rollout", unit="tree", file=sys.stderr)
+
+    def tree_done(self, root: Trajectory) -> None:
+        stats = self.engine.stats()
+        elapsed = time.perf_counter() - self.began
+        occupancy = stats.batch_slots_used / max(stats.steps * stats.max_batch_size, 1)
+        self.bar.set_postfix(
+            tok_s=f"{stats.generated_tokens / elapsed:.0f}", occupancy=f"{occupancy:.0%}"
+        )
+        self.bar.update()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+async def _rollout(config: Config, tasks: list[Any], env: Any, out: Path) -> str:
+    from rlmtrain.model.tokenizer import load_tokenizer
+    from rlmtrain.rollout.engines import build_engine
+    from rlmtrain.rollout.scheduler import Scheduler
+
+    tokenizer = load_tokenizer(config.model.tokenizer, config.model.hf_dir)
+    engine = build_engine(config, tokenizer)
+    scheduler = Scheduler(engine, tokenizer, config.rollout)
+    progress = _Progress(len(tasks) * config.rollout.n_samples, engine)
+    scheduler.on_tree_done = progress.tree_done
+    try:
+        groups = await scheduler.rollout(tasks, env, config.rollout.n_samples)
+    finally:
+        progress.close()
+        await engine.close()
+    written = write_groups(out, groups)
+    reward = await _mean_reward(env, tasks, groups)
+    return (
+        f"wrote {written} groups to {out}\n{scheduler.metrics.line()}\n"
+        f"mean root reward {reward:.4f}"
+    )
+
+
+async def _mean_reward(env: Any, tasks: list[Any], groups: list[RolloutGroup]) -> float:
+    scores = []
+    for task, group in zip(tasks, groups, strict=True):
+        result = await env.reward(task, group)
+        scores += [s for s in result.scores if s is not None]
+    return sum(scores) / len(scores) if scores else float("nan")
+
+
+def cli(argv: list[str]) -> int:
+    """`rlmtrain rollout` with its arguments (argv after 'rollout'); returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="rlmtrain rollout",
+        description="Sample RLM trajectory trees for the configured tasks and write them as JSONL.",
+    )
+    parser.add_argument("--config", help="TOML run file (default: built-in defaults)")
+    parser.add_argument("--out", required=True, help="output JSONL of RolloutGroups")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N tasks")
+    args, rest = parser.parse_known_args(argv)
+    overrides = [a for a in rest if a.startswith("--") and "." in a.split("=", 1)[0]]
+    unknown = [a for a in rest if a not in overrides]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit}")
+    try:
+        import uvloop
+
+        from rlmtrain.envs.base import get_env
+
+        config = load_config(args.config, overrides)
+        env = get_env(config.data.env, config)
+        tasks = load_tasks(config, env)[: args.limit]
+        if not tasks:
+            raise ConfigError("data.train_path: no tasks to run")
+        summary = uvloop.run(_rollout(config, tasks, env, Path(args.out)))
+    except (ConfigError, BackendUnavailable, FileNotFoundError) as exc:
+        print(f"rlmtrain rollout: error: {exc}", file=sys.stderr)
+        return 2
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
