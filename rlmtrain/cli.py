@@ -25,23 +25,23 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return train.main(load_config(args.config, overrides))
 
 
-# Commands whose arguments belong to the module that implements them: (module, help).
+# Commands whose arguments belong to the module that implements them: words -> (module, help).
 _DELEGATED = {
     ("data", "ingest"): ("rlmtrain.envs.pdf", "parse a folder of PDFs into a corpus JSONL"),
     ("data", "synth"): (
         "rlmtrain.envs.synth",
         "synthesise paper groups, render to PDF, parse back",
     ),
+    ("rollout",): ("rlmtrain.rollout.cli", "sample trajectory trees of the configured tasks"),
 }
 
 
 def _delegate(argv: list[str]) -> int | None:
     """Run a delegated command if argv names one; None otherwise."""
-    key = tuple(argv[:2])
-    if key not in _DELEGATED:
-        return None
-    module = importlib.import_module(_DELEGATED[key][0])
-    return module.cli(argv[2:])
+    for words, (module, _) in _DELEGATED.items():
+        if tuple(argv[: len(words)]) == words:
+            return importlib.import_module(module).cli(argv[len(words) :])
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = commands.add_parser("data", help="build data sets")
     data_commands = data.add_subparsers(dest="data_command", required=True)
-    for (_, name), (_, text) in _DELEGATED.items():
-        data_commands.add_parser(name, help=text, add_help=False)
+    for words, (_, text) in _DELEGATED.items():
+        parent = data_commands if words[0] == "data" else commands
+        parent.add_parser(words[-1], help=text, add_help=False)
     return parser
 
 
