@@ -8,8 +8,10 @@
  *      other process (trainer, zygote, other workers) out of signal and ptrace reach;
  *   3. PR_SET_PDEATHSIG so the worker dies with the zygote that forked it;
  *   4. no_new_privs;
- *   5. Landlock, when the kernel has it: writes only beneath the working directory, no exec,
- *      no TCP, and (ABI >= 6) no signals or abstract unix sockets outside the worker;
+ *   5. Landlock, when the kernel has it: full access beneath the working directory, reads only
+ *      beneath the given paths (the Python installation, not the trainer's data: a policy
+ *      that can read the answer file will learn to), no exec, no TCP, and (ABI >= 6) no
+ *      signals or abstract unix sockets outside the worker;
  *   6. a hand-written seccomp-bpf filter (default allow, explicit refusals). Refusals return
  *      EPERM so Python raises PermissionError and the session lives on; a syscall from a
  *      foreign ABI (wrong audit arch, x32) kills the process, since its numbers mean something
@@ -32,6 +34,7 @@
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -260,28 +263,36 @@ static int landlock_abi(void) {
     return abi < 0 ? 0 : (int)abi;
 }
 
-/* Filesystem rights Landlock handles at a given ABI, reads excluded: reading stays governed by
- * file permissions (the worker must import stdlib modules lazily). */
+/* Filesystem rights Landlock handles at a given ABI: everything, reads included. */
 static __u64 handled_fs_rights(int abi) {
-    __u64 rights = LANDLOCK_ACCESS_FS_EXECUTE | LANDLOCK_ACCESS_FS_WRITE_FILE | LANDLOCK_ACCESS_FS_REMOVE_DIR |
-                   LANDLOCK_ACCESS_FS_REMOVE_FILE | LANDLOCK_ACCESS_FS_MAKE_CHAR | LANDLOCK_ACCESS_FS_MAKE_DIR |
-                   LANDLOCK_ACCESS_FS_MAKE_REG | LANDLOCK_ACCESS_FS_MAKE_SOCK | LANDLOCK_ACCESS_FS_MAKE_FIFO |
-                   LANDLOCK_ACCESS_FS_MAKE_BLOCK | LANDLOCK_ACCESS_FS_MAKE_SYM;
+    __u64 rights = LANDLOCK_ACCESS_FS_EXECUTE | LANDLOCK_ACCESS_FS_WRITE_FILE | LANDLOCK_ACCESS_FS_READ_FILE |
+                   LANDLOCK_ACCESS_FS_READ_DIR | LANDLOCK_ACCESS_FS_REMOVE_DIR | LANDLOCK_ACCESS_FS_REMOVE_FILE |
+                   LANDLOCK_ACCESS_FS_MAKE_CHAR | LANDLOCK_ACCESS_FS_MAKE_DIR | LANDLOCK_ACCESS_FS_MAKE_REG |
+                   LANDLOCK_ACCESS_FS_MAKE_SOCK | LANDLOCK_ACCESS_FS_MAKE_FIFO | LANDLOCK_ACCESS_FS_MAKE_BLOCK |
+                   LANDLOCK_ACCESS_FS_MAKE_SYM;
     if (abi >= 2) rights |= LANDLOCK_ACCESS_FS_REFER;
     if (abi >= 3) rights |= LL_FS_TRUNCATE;
     if (abi >= 5) rights |= LL_FS_IOCTL_DEV;
     return rights;
 }
 
-/* Confines writes to beneath workdir_fd (an O_PATH descriptor of the working directory, opened
- * while still privileged). Returns the ABI applied, 0 without Landlock, -1 on error (errno set).
- * Needs no_new_privs already set. */
-static int apply_landlock(int workdir_fd) {
+static int add_rule(int ruleset, int fd, __u64 rights) {
+    struct landlock_path_beneath_attr rule;
+    memset(&rule, 0, sizeof(rule));
+    rule.allowed_access = rights;
+    rule.parent_fd = fd;
+    return (int)syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &rule, 0);
+}
+
+/* Everything beneath workdir_fd; reading only beneath read_fds (files or directories); nothing
+ * elsewhere. The descriptors are O_PATH, opened while still privileged. Returns the ABI applied,
+ * 0 without Landlock, -1 on error (errno set). Needs no_new_privs already set. */
+static int apply_landlock(int workdir_fd, const int *read_fds, int n_read) {
     int abi = landlock_abi();
     struct ruleset_attr attr;
-    struct landlock_path_beneath_attr workdir;
     size_t attr_size = offsetof(struct ruleset_attr, handled_access_net);
-    int ruleset, err;
+    struct stat st;
+    int ruleset, err, i;
 
     if (abi < 1) return 0;
     memset(&attr, 0, sizeof(attr));
@@ -298,10 +309,13 @@ static int apply_landlock(int workdir_fd) {
     ruleset = (int)syscall(SYS_landlock_create_ruleset, &attr, attr_size, 0);
     if (ruleset < 0) return -1;
 
-    memset(&workdir, 0, sizeof(workdir));
-    workdir.allowed_access = attr.handled_access_fs & ~(__u64)LANDLOCK_ACCESS_FS_EXECUTE;
-    workdir.parent_fd = workdir_fd;
-    if (syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &workdir, 0) < 0) goto fail;
+    if (add_rule(ruleset, workdir_fd, attr.handled_access_fs & ~(__u64)LANDLOCK_ACCESS_FS_EXECUTE) < 0) goto fail;
+    for (i = 0; i < n_read; i++) {
+        /* A rule on a file may only carry file rights. */
+        if (fstat(read_fds[i], &st) < 0) goto fail;
+        __u64 rights = LANDLOCK_ACCESS_FS_READ_FILE | (S_ISDIR(st.st_mode) ? LANDLOCK_ACCESS_FS_READ_DIR : 0);
+        if (add_rule(ruleset, read_fds[i], rights) < 0) goto fail;
+    }
     if (syscall(SYS_landlock_restrict_self, ruleset, 0) < 0) goto fail;
     close(ruleset);
     return abi;
@@ -334,7 +348,8 @@ static int set_limit(int resource, rlim_t soft, rlim_t hard) {
 }
 
 /* Steps 2-5 of the module comment. Returns NULL on success, else the step that failed. */
-static const char *drop_and_confine(uid_t uid, gid_t gid, pid_t parent_pid, int workdir_fd, int *applied_landlock) {
+static const char *drop_and_confine(uid_t uid, gid_t gid, pid_t parent_pid, int workdir_fd, const int *read_fds,
+                                    int n_read, int *applied_landlock) {
     if (geteuid() == 0) {
         if (setgroups(0, NULL)) return "setgroups";
         if (setresgid(gid, gid, gid)) return "setresgid";
@@ -351,31 +366,69 @@ static const char *drop_and_confine(uid_t uid, gid_t gid, pid_t parent_pid, int 
         return "parent check (the zygote is gone)";
     }
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) return "PR_SET_NO_NEW_PRIVS";
-    *applied_landlock = apply_landlock(workdir_fd);
+    *applied_landlock = apply_landlock(workdir_fd, read_fds, n_read);
     return *applied_landlock < 0 ? "landlock" : NULL;
 }
 
+#define MAX_READABLE 64
+
+/* Opens each existing path of `readable` as O_PATH; paths that do not exist are skipped.
+ * Returns the number opened, or -1 with a Python exception set. */
+static int open_readable(PyObject *readable, int *fds) {
+    PyObject *seq = PySequence_Fast(readable, "jail: readable must be a sequence of paths");
+    Py_ssize_t i, n;
+    int count = 0;
+    if (seq == NULL) return -1;
+    n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_READABLE) {
+        PyErr_Format(PyExc_ValueError, "jail: at most %d readable paths, got %zd", MAX_READABLE, n);
+        goto fail;
+    }
+    for (i = 0; i < n; i++) {
+        PyObject *encoded = NULL;
+        int fd;
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &encoded)) goto fail;
+        fd = open(PyBytes_AS_STRING(encoded), O_PATH | O_CLOEXEC);
+        if (fd < 0 && errno != ENOENT && errno != ENOTDIR) {
+            PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, encoded);
+            Py_DECREF(encoded);
+            goto fail;
+        }
+        Py_DECREF(encoded);
+        if (fd >= 0) fds[count++] = fd;
+    }
+    Py_DECREF(seq);
+    return count;
+fail:
+    while (count > 0) close(fds[--count]);
+    Py_DECREF(seq);
+    return -1;
+}
+
 PyDoc_STRVAR(enter_doc,
-             "enter(uid, gid, parent_pid, address_space, cpu_seconds, open_files, file_size, threads) -> int\n\n"
+             "enter(uid, gid, parent_pid, address_space, cpu_seconds, open_files, file_size, threads, readable) -> int\n\n"
              "Jail the calling process, which must be single-threaded and already in its working\n"
              "directory: rlimits, drop to uid/gid when root, die with parent_pid, no_new_privs,\n"
-             "Landlock (writes beneath the working directory only), seccomp. Irreversible.\n"
-             "Returns the Landlock ABI applied (0 = the kernel has none). Raises OSError naming\n"
-             "the step that failed and RuntimeError on an architecture the filter does not know.");
+             "Landlock (full access beneath the working directory, read-only beneath the paths in\n"
+             "`readable`, nothing elsewhere), seccomp. Irreversible. Returns the Landlock ABI\n"
+             "applied (0 = the kernel has none). Raises OSError naming the step that failed and\n"
+             "RuntimeError on an architecture the filter does not know.");
 
 static PyObject *jail_enter(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"uid",        "gid",  "parent_pid", "address_space", "cpu_seconds",
-                             "open_files", "file_size", "threads", NULL};
+    static char *kwlist[] = {"uid",       "gid",     "parent_pid", "address_space", "cpu_seconds", "open_files",
+                             "file_size", "threads", "readable",   NULL};
     unsigned int uid, gid;
     int parent_pid;
     unsigned long long address_space, cpu_seconds, open_files, file_size, threads;
+    PyObject *readable;
     Filter filter;
     struct sock_fprog prog;
-    int applied_landlock, workdir_fd, err;
+    int applied_landlock, workdir_fd, err, n_read;
+    int read_fds[MAX_READABLE];
     const char *failed_step;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "IIiKKKKK", kwlist, &uid, &gid, &parent_pid, &address_space,
-                                     &cpu_seconds, &open_files, &file_size, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "IIiKKKKKO", kwlist, &uid, &gid, &parent_pid, &address_space,
+                                     &cpu_seconds, &open_files, &file_size, &threads, &readable))
         return NULL;
     if (JAIL_AUDIT_ARCH == 0) {
         PyErr_SetString(PyExc_RuntimeError, "jail: no seccomp filter for this CPU architecture; refusing to run unjailed");
@@ -389,22 +442,32 @@ static PyObject *jail_enter(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_RuntimeError, "jail: seccomp filter does not fit its buffer");
         return NULL;
     }
+    n_read = open_readable(readable, read_fds);
+    if (n_read < 0) return NULL;
 
     /* Soft CPU limit sends SIGXCPU (fatal by default), the hard one a second later SIGKILL. */
-    if (set_limit(RLIMIT_AS, address_space, address_space)) return raise_step("RLIMIT_AS");
-    if (set_limit(RLIMIT_CPU, cpu_seconds, cpu_seconds + 1)) return raise_step("RLIMIT_CPU");
-    if (set_limit(RLIMIT_NOFILE, open_files, open_files)) return raise_step("RLIMIT_NOFILE");
-    if (set_limit(RLIMIT_FSIZE, file_size, file_size)) return raise_step("RLIMIT_FSIZE");
-    if (set_limit(RLIMIT_NPROC, threads, threads)) return raise_step("RLIMIT_NPROC");
-    if (set_limit(RLIMIT_CORE, 0, 0)) return raise_step("RLIMIT_CORE");
-    if (set_limit(RLIMIT_MEMLOCK, 0, 0)) return raise_step("RLIMIT_MEMLOCK");
-    if (set_limit(RLIMIT_MSGQUEUE, 0, 0)) return raise_step("RLIMIT_MSGQUEUE");
-
-    workdir_fd = open(".", O_PATH | O_CLOEXEC | O_DIRECTORY);
-    if (workdir_fd < 0) return raise_step("opening the working directory");
-    failed_step = drop_and_confine(uid, gid, parent_pid, workdir_fd, &applied_landlock);
+    failed_step = NULL;
+    if (set_limit(RLIMIT_AS, address_space, address_space)) failed_step = "RLIMIT_AS";
+    else if (set_limit(RLIMIT_CPU, cpu_seconds, cpu_seconds + 1)) failed_step = "RLIMIT_CPU";
+    else if (set_limit(RLIMIT_NOFILE, open_files, open_files)) failed_step = "RLIMIT_NOFILE";
+    else if (set_limit(RLIMIT_FSIZE, file_size, file_size)) failed_step = "RLIMIT_FSIZE";
+    else if (set_limit(RLIMIT_NPROC, threads, threads)) failed_step = "RLIMIT_NPROC";
+    else if (set_limit(RLIMIT_CORE, 0, 0)) failed_step = "RLIMIT_CORE";
+    else if (set_limit(RLIMIT_MEMLOCK, 0, 0)) failed_step = "RLIMIT_MEMLOCK";
+    else if (set_limit(RLIMIT_MSGQUEUE, 0, 0)) failed_step = "RLIMIT_MSGQUEUE";
+    else {
+        workdir_fd = open(".", O_PATH | O_CLOEXEC | O_DIRECTORY);
+        if (workdir_fd < 0) {
+            failed_step = "opening the working directory";
+        } else {
+            failed_step = drop_and_confine(uid, gid, parent_pid, workdir_fd, read_fds, n_read, &applied_landlock);
+            err = errno;
+            close(workdir_fd);
+            errno = err;
+        }
+    }
     err = errno;
-    close(workdir_fd);
+    while (n_read > 0) close(read_fds[--n_read]);
     errno = err;
     if (failed_step) return raise_step(failed_step);
 

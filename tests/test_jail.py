@@ -340,22 +340,53 @@ def test_the_seccomp_filter_refuses_each_escape_syscall(temp_dir):
     assert outcomes == expected
 
 
-def test_worker_identity_and_limits(temp_dir):
-    code = (
-        "import os, resource\n"
-        "print(os.getuid(), os.getgid(), os.getgroups(), os.getpgid(0) == os.getpid())\n"
-        "limit = lambda name: resource.getrlimit(getattr(resource, name))[1]\n"
-        "print(limit('RLIMIT_AS'), limit('RLIMIT_NPROC'))\n"
-        "wanted = ('NoNewPrivs', 'Seccomp:', 'CapEff')\n"
-        "print([line for line in open('/proc/self/status') if line.startswith(wanted)])"
-    )
-    result, _ = attack(code, temp_dir)
-    ids, limits, status = result.output.split("\n", 2)
+def test_worker_identity_and_limits_seen_from_outside(temp_dir):
+    async def main():
+        zygote = await Zygote.start(
+            context="", tool_modules=[], limits=LIMITS, preload_modules=PRELOAD, temp_dir=temp_dir
+        )
+        try:
+            session = await zygote.session()
+            code = (
+                "import os, resource\n"
+                "print(os.getuid(), os.getgid(), os.getgroups(), os.getpgid(0) == os.getpid())\n"
+                "limit = lambda name: resource.getrlimit(getattr(resource, name))[1]\n"
+                "print(limit('RLIMIT_AS'), limit('RLIMIT_NPROC'), limit('RLIMIT_CORE'))"
+            )
+            result = await session.exec(code)
+            status = Path(f"/proc/{session.pid}/status").read_text()
+            await session.close()
+            return result, status
+        finally:
+            await zygote.close()
+
+    result, status = asyncio.run(main())
+    ids, limits = result.output.splitlines()
     uid, gid, groups, own_group = ids.split(" ", 3)
     assert int(uid) >= 1 << 30 and uid == gid and groups == "[]" and own_group == "True"
-    assert limits == f"{LIMITS.memory_mb << 20} {LIMITS.max_threads}"
-    assert re.search(r"NoNewPrivs:\\t1", status) and re.search(r"Seccomp:\\t2", status)
-    assert re.search(r"CapEff:\\t0+\\n", status)
+    assert limits == f"{LIMITS.memory_mb << 20} {LIMITS.max_threads} 0"
+    assert re.search(r"NoNewPrivs:\t1\n", status) and re.search(r"Seccomp:\t2\n", status)
+    assert re.search(r"CapEff:\t0+\n", status) and re.search(rf"Uid:\t{uid}\t{uid}\t{uid}", status)
+
+
+@pytest.mark.skipif(_jail.landlock_abi() == 0, reason="the kernel has no Landlock")
+def test_reads_outside_the_python_installation_are_refused(temp_dir):
+    # World-readable by file permissions; only Landlock stands in the way.
+    secret_dir = tempfile.mkdtemp(prefix="test-jail-answers-", dir="/tmp")
+    try:
+        os.chmod(secret_dir, 0o755)
+        secret = Path(secret_dir) / "answers.jsonl"
+        secret.write_text('{"answer": 42}\n')
+        os.chmod(secret, 0o644)
+        code = (
+            "import json, os\nprint(len(json.dumps([1])), len(os.listdir('.')))\n"
+            f"open({str(secret)!r}).read()"
+        )
+        result, after = attack(code, temp_dir, followup="open('/etc/hostname').read()")
+    finally:
+        shutil.rmtree(secret_dir)
+    assert result.output == "3 0\n" and not result.dead
+    assert "PermissionError" in result.error and "PermissionError" in after.error
 
 
 def test_enter_refuses_root_as_the_target_uid():
@@ -369,4 +400,5 @@ def test_enter_refuses_root_as_the_target_uid():
             open_files=64,
             file_size=1 << 20,
             threads=8,
+            readable=[],
         )

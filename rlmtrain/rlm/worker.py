@@ -33,6 +33,7 @@ import selectors
 import signal
 import socket
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +92,29 @@ def load_tools(module_names: list[str]) -> dict[str, Callable]:
                 raise ValueError(f"tool {name!r} is defined twice (again in {module_name!r})")
             tools[name] = fn
     return tools
+
+
+_SYSTEM_READABLE = [
+    *("/dev/null", "/dev/zero", "/dev/urandom", "/etc/localtime", "/etc/ld.so.cache"),
+    *("/usr/share/zoneinfo", "/usr/lib", "/usr/lib64", "/lib", "/lib64"),
+]
+
+
+def readable_paths(module_names: list[str]) -> list[str]:
+    """What a worker may read: the Python installation (stdlib, site-packages), the files of
+    the loaded tool and preload packages, shared libraries and time zones. Not the trainer's
+    working directory, datasets or checkpoints."""
+    paths = list(_SYSTEM_READABLE)
+    bases = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}
+    for config_vars in (None, bases):
+        installed = sysconfig.get_paths(vars=config_vars)
+        paths += [installed[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    for name in module_names:
+        top = sys.modules.get(name.partition(".")[0])
+        package_dirs = getattr(top, "__path__", None)
+        # Built-in modules have neither; a plain module grants its own file, not its directory.
+        paths += list(package_dirs) if package_dirs else [getattr(top, "__file__", None)]
+    return sorted({os.path.abspath(p) for p in paths if p})
 
 
 # ---- worker ----------------------------------------------------------------------------------
@@ -248,7 +272,13 @@ class _Worker:
 
 
 def _worker_main(
-    sock: socket.socket, spawn: Spawn, zygote_pid: int, tools, context, limits: WorkerLimits
+    sock: socket.socket,
+    spawn: Spawn,
+    zygote_pid: int,
+    tools: dict[str, Callable],
+    context: Any,
+    limits: WorkerLimits,
+    readable: list[str],
 ) -> None:
     """Runs in the forked child; never returns."""
     status = 1
@@ -276,6 +306,7 @@ def _worker_main(
                 open_files=limits.open_files,
                 file_size=limits.file_size,
                 threads=limits.threads,
+                readable=readable,
             )
         except Exception as exc:
             channel.send(Ready(error=f"{type(exc).__name__}: {exc}"))
@@ -300,6 +331,7 @@ class _Zygote:
         self.boot = boot
         self.tools = tools
         self.context = context
+        self.readable = readable_paths([*boot.preload_modules, *boot.tool_modules])
         self.children: set[int] = set()
 
     def spawn(self, spawn: Spawn, fds: list[int]) -> None:
@@ -316,7 +348,13 @@ class _Zygote:
         if pid == 0:
             self.control.close()
             _worker_main(
-                worker_sock, spawn, os.getppid(), self.tools, self.context, self.boot.limits
+                worker_sock,
+                spawn,
+                os.getppid(),
+                self.tools,
+                self.context,
+                self.boot.limits,
+                self.readable,
             )
         worker_sock.close()
         self.children.add(pid)
