@@ -25,6 +25,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "JudgeConfig",
     "LoggingConfig",
     "ModelConfig",
     "RolloutConfig",
@@ -56,9 +57,7 @@ class ModelConfig(_Section):
     ] = ""
     tokenizer: Annotated[
         str,
-        _doc(
-            "'byte' (built-in byte tokenizer) or a folder with tokenizer.json; empty = hf_dir's"
-        ),
+        _doc("'byte' (built-in byte tokenizer) or a folder with tokenizer.json; empty = hf_dir's"),
     ] = "byte"
     dtype: Annotated[Literal["float32", "bfloat16"], _doc("parameter and activation dtype")] = (
         "float32"
@@ -198,6 +197,33 @@ class LoggingConfig(_Section):
     ] = ""
 
 
+class JudgeConfig(_Section):
+    """The judge model behind an OpenAI-compatible chat-completions endpoint (rewards/)."""
+
+    base_url: Annotated[
+        str, _doc("OpenAI-compatible base URL up to /v1; empty = no judge (span F1 where it can)")
+    ] = ""
+    model: Annotated[str, _doc("model name sent in each request")] = "judge"
+    api_key_env: Annotated[
+        str, _doc("environment variable with the API key; empty = no key")
+    ] = ""
+    max_concurrency: Annotated[int, _doc("requests in flight", ge=1)] = 16
+    timeout_s: Annotated[float, _doc("seconds per request attempt", gt=0)] = 60.0
+    max_retries: Annotated[int, _doc("retries after the first attempt", ge=0)] = 4
+    backoff_base_s: Annotated[float, _doc("first backoff delay in seconds", ge=0)] = 1.0
+    backoff_max_s: Annotated[float, _doc("longest backoff delay in seconds", ge=0)] = 30.0
+    temperature: Annotated[float, _doc("judge sampling temperature", ge=0)] = 0.0
+    max_tokens: Annotated[int, _doc("judge reply token limit", ge=1)] = 512
+    json_mode: Annotated[bool, _doc("send response_format={'type': 'json_object'}")] = True
+    cache_path: Annotated[
+        str, _doc("JSONL cache of replies across runs; empty = memory only")
+    ] = ""
+    on_unscored: Annotated[
+        Literal["span_f1", "drop"],
+        _doc("a sample the judge could not score: fall back to span F1, or drop it from its group"),
+    ] = "span_f1"
+
+
 class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
@@ -206,6 +232,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
 
 
 SECTIONS: dict[str, type[_Section]] = {

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 from test_judge import JudgeServer, completion
 
+from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs import booknav_tools as tools
 from rlmtrain.envs.base import get_env
 from rlmtrain.envs.booknav import (
@@ -21,6 +22,9 @@ from rlmtrain.envs.booknav import (
 from rlmtrain.rewards.chat_client import JudgeConfig
 from rlmtrain.rewards.span_f1 import span_f1
 from rlmtrain.rlm.records import RolloutGroup, ToolCall, Trajectory, Turn
+
+UNUSED_JUDGE = JudgeConfig(base_url="http://127.0.0.1:9/v1")
+"""A judge endpoint for tests that never score (nothing listens on port 9)."""
 
 BOOK = msgspec.to_builtins(synthetic_book())
 
@@ -69,7 +73,7 @@ def test_synthetic_problems_are_deterministic_and_indexed():
 
 def test_task_file_resolves_book_relative_to_it(tmp_path):
     path = write_synthetic(tmp_path / "data", n=4, seed=1)
-    env = BookNavEnv()
+    env = BookNavEnv(UNUSED_JUDGE)
     tasks = env.load_tasks(path)
     assert len(tasks) == 4 and tasks[0].book == str(tmp_path / "data" / "book.json")
     assert env.context(tasks[0]) == BOOK
@@ -80,11 +84,14 @@ def test_task_file_resolves_book_relative_to_it(tmp_path):
         read_book(tmp_path / "missing.json")
 
 
-def test_registered_as_booknav():
-    env = get_env("booknav")
+def test_registered_as_booknav_and_needs_a_judge():
+    config = msgspec.structs.replace(Config(), judge=UNUSED_JUDGE)
+    env = get_env("booknav", config)
     assert isinstance(env, BookNavEnv)
     assert env.tool_modules() == ["rlmtrain.envs.booknav_tools"]
     assert "search_index" in env.system_prompt()
+    with pytest.raises(ConfigError, match=r"judge\.base_url"):
+        get_env("booknav", Config())
 
 
 def proof_verdicts(nth: int, body: dict) -> tuple[int, bytes]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from rlmtrain.config import Config
+from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs.base import (
     Env,
     RewardResult,
@@ -103,9 +103,8 @@ class BookNavEnv(Env):
     name = "booknav"
     task_type = BookTask
 
-    def __init__(self, judge: JudgeConfig | None = None, client: ChatClient | None = None):
-        config = judge or JudgeConfig()
-        self.judge = ProofJudge(config, client)
+    def __init__(self, judge: JudgeConfig, client: ChatClient | None = None):
+        self.judge = ProofJudge(judge, client)
         self._books: dict[str, dict[str, Any]] = {}
 
     def system_prompt(self) -> str:
@@ -149,9 +148,10 @@ class BookNavEnv(Env):
 
 @register_env("booknav")
 def make_booknav(config: Config | None) -> BookNavEnv:
-    # A run file's [judge] section, once Config has one; the defaults otherwise.
-    judge = getattr(config, "judge", None)
-    return BookNavEnv(judge if isinstance(judge, JudgeConfig) else None)
+    """BookNavigator's reward is a judge's verdict, so a run must name one in [judge]."""
+    if config is None or not config.judge.base_url:
+        raise ConfigError("judge.base_url: env 'booknav' is scored by a judge; set its endpoint")
+    return BookNavEnv(config.judge)
 
 
 # ---------------------------------------------------------------------------------------------

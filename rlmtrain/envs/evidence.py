@@ -156,7 +156,7 @@ class EvidenceEnv(Env):
 @register_env("evidence")
 def make_evidence_env(config: Config | None) -> EvidenceEnv:
     """The evidence env of a run: the corpus beside `data.train_path` (and `data.eval_path`)
-    when set, and the rubric judge when the config has a `judge` section."""
+    when set, and the rubric judge when `judge.base_url` is set."""
     env = EvidenceEnv(judge=_judge(config))
     if config is not None:
         for tasks_path in (config.data.train_path, config.data.eval_path):
@@ -167,9 +167,8 @@ def make_evidence_env(config: Config | None) -> EvidenceEnv:
 
 
 def _judge(config: Config | None) -> RubricJudge | None:
-    judge_config = getattr(config, "judge", None)
-    if judge_config is None:
+    if config is None or not config.judge.base_url:
         return None
     from rlmtrain.rewards.judge import RubricJudge
 
-    return RubricJudge(judge_config)
+    return RubricJudge(config.judge)

@@ -30,10 +30,12 @@ import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import msgspec
+
+from rlmtrain.config import JudgeConfig
 
 __all__ = [
     "ChatClient",
@@ -48,44 +50,6 @@ __all__ = [
 T = TypeVar("T")
 
 _MAX_BODY_BYTES = 16 * 1024 * 1024
-
-
-class JudgeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Where the judge model is served and how hard to try; one `[judge]` section of a run file."""
-
-    base_url: Annotated[str, msgspec.Meta(description="OpenAI-compatible base URL, up to /v1")] = (
-        "http://127.0.0.1:8000/v1"
-    )
-    model: Annotated[str, msgspec.Meta(description="model name sent in each request")] = "judge"
-    api_key_env: Annotated[
-        str, msgspec.Meta(description="environment variable holding the API key; empty = no key")
-    ] = ""
-    max_concurrency: Annotated[int, msgspec.Meta(description="requests in flight", ge=1)] = 16
-    timeout_s: Annotated[float, msgspec.Meta(description="seconds per request attempt", gt=0)] = (
-        60.0
-    )
-    max_retries: Annotated[
-        int, msgspec.Meta(description="retries after the first attempt", ge=0)
-    ] = 4
-    backoff_base_s: Annotated[float, msgspec.Meta(description="first backoff delay", ge=0)] = 1.0
-    backoff_max_s: Annotated[float, msgspec.Meta(description="longest backoff delay", ge=0)] = 30.0
-    temperature: Annotated[float, msgspec.Meta(description="judge sampling temperature", ge=0)] = (
-        0.0
-    )
-    max_tokens: Annotated[int, msgspec.Meta(description="judge reply token limit", ge=1)] = 512
-    json_mode: Annotated[
-        bool, msgspec.Meta(description="send response_format={'type': 'json_object'}")
-    ] = True
-    cache_path: Annotated[
-        str, msgspec.Meta(description="JSONL file caching replies across runs; empty = memory only")
-    ] = ""
-    on_unscored: Annotated[
-        Literal["span_f1", "drop"],
-        msgspec.Meta(
-            description="a sample the judge could not score: 'span_f1' falls back to span F1, "
-            "'drop' removes it from its group"
-        ),
-    ] = "span_f1"
 
 
 class Unscored(msgspec.Struct, frozen=True):
