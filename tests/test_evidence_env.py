@@ -92,7 +92,7 @@ def test_span_f1_reward_per_root(data):
 
 
 def test_judge_failure_falls_back_to_span_f1(data):
-    from rlmtrain.rewards.chat_client import JudgeConfig
+    from rlmtrain.config import JudgeConfig
     from rlmtrain.rewards.judge import RubricJudge
 
     with socket.socket() as s:  # a port with nobody listening: every request is refused
@@ -112,6 +112,12 @@ def test_judge_failure_falls_back_to_span_f1(data):
     result = asyncio.run(env.reward(task, _group(task, [gold, None])))
     assert result.scores[0] > 0.9 and result.scores[1] == 0.0
     assert [d["method"] for d in result.details] == ["span_f1", "no_answer"]
+
+
+def test_registry_builds_the_judge_only_when_configured():
+    assert get_env("evidence", load_config(None)).judge is None
+    config = load_config(None, ["--judge.base_url='http://127.0.0.1:9/v1'"])
+    assert get_env("evidence", config).judge is not None
 
 
 def test_task_naming_a_missing_paper_is_an_error(data, tmp_path):

@@ -94,6 +94,16 @@ def test_plans_follow_the_query_and_refuse_strangers():
         child_plan("Paper ID: p\nno query here")
 
 
+def test_teacher_warns_when_trajectories_do_not_finish(env_and_tasks, caplog):
+    env, tasks = env_and_tasks
+    task = next(t for t in tasks if len(t.paper_ids) >= 2)
+    tight = AgentLimits(max_turns=5, max_depth=1, max_prompt_tokens=2048)
+    with caplog.at_level("WARNING", logger="rlmtrain"):
+        (group,) = asyncio.run(teach(env, [task], ByteTokenizer(), limits=tight))
+    assert group.roots[0].finish_reason == "context"
+    assert "1 of 1 trajectories did not finish (context: 1); max_prompt_tokens=2048" in caplog.text
+
+
 def test_teacher_refuses_limits_without_children(env_and_tasks):
     env, tasks = env_and_tasks
     with pytest.raises(ValueError, match="needs max_depth >= 1"):

@@ -22,7 +22,9 @@ A query no rule recognises raises ValueError naming it: a teacher that guesses p
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+from collections import Counter
 from collections.abc import Sequence
 
 import msgspec
@@ -40,6 +42,8 @@ from rlmtrain.rlm.agent import (
 )
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 from rlmtrain.rlm.repl import ReplLimits, Zygote
+
+log = logging.getLogger("rlmtrain")
 
 __all__ = [
     "CHILD_INSTRUCTION",
@@ -294,4 +298,18 @@ async def teach(
         async with gate:
             return await _teach_one(env, task, tokenizer, limits, repl_limits)
 
-    return list(await asyncio.gather(*(one(task) for task in tasks)))
+    groups = list(await asyncio.gather(*(one(task) for task in tasks)))
+    unfinished = Counter(
+        t.finish_reason for g in groups for t in g.trajectories if t.finish_reason != "final"
+    )
+    if unfinished:
+        # Most often "context": the byte tokenizer makes prompts ~4x longer than a BPE one, and
+        # the system prompt plus one list_papers output needs about 10k byte tokens.
+        log.warning(
+            "evidence teacher: %d of %d trajectories did not finish (%s); max_prompt_tokens=%d",
+            sum(unfinished.values()),
+            sum(len(g.trajectories) for g in groups),
+            ", ".join(f"{reason}: {n}" for reason, n in unfinished.most_common()),
+            limits.max_prompt_tokens,
+        )
+    return groups
