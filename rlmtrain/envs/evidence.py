@@ -63,8 +63,9 @@ quoted verbatim, each on its own line as "[paper id] passage". Quote whole sente
 nothing that does not bear on the query.
 
 Strategy when `context` holds one paper (about 5-7 turns):
-1. search the text with several keyword variants taken from the query (singular and plural, \
-synonyms, the names it mentions) and print the snippets;
+1. list_papers(context) to see the paper, then search its text with several keyword variants \
+taken from the query (singular and plural, synonyms, the names it mentions) and print the \
+snippets;
 2. search again around the most promising snippets (a more specific phrase, a larger window) \
 to see where the passage begins and ends;
 3. cut each passage out with extract_section(snippet, first words, last words) and finish \
