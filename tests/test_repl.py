@@ -284,3 +284,58 @@ def test_zygote_refuses_a_bad_tool_module(temp_dir):
             await Zygote.start(context="", tool_modules=["no_such_module"], temp_dir=temp_dir)
 
     asyncio.run(main())
+
+
+def test_closing_a_session_mid_query_cancels_the_handler(temp_dir):
+    handler_cancelled = asyncio.Event()
+
+    async def never_answers(prompts, contexts):
+        try:
+            await asyncio.Event().wait()
+        finally:
+            handler_cancelled.set()
+
+    async def body(zygote):
+        session = await zygote.session()
+        running = asyncio.create_task(session.exec("rlm_query('forever')", never_answers))
+        await asyncio.sleep(0.3)
+        await session.close()
+        result = await running
+        assert result.dead and "closed" in result.error
+        assert handler_cancelled.is_set() and zygote.live_workers() == 0
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_cancelling_an_exec_kills_its_worker(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        running = asyncio.create_task(session.exec("import time\ntime.sleep(60)"))
+        await asyncio.sleep(0.3)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert zygote.live_workers() == 0
+        assert (await session.exec("1")).dead
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_a_dead_zygote_takes_its_workers_and_says_so(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        os.kill(zygote._process.pid, 9)
+        # The kernel delivers the workers' parent-death signal asynchronously.
+        for _ in range(100):
+            if zygote.live_workers() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert zygote.live_workers() == 0
+        result = await session.exec("1")
+        assert result.dead and "zygote died" in result.error
+        with pytest.raises(RuntimeError, match="zygote exited"):
+            await zygote.session()
+        await session.close()
+
+    run_with_zygote(body, temp_dir)

@@ -191,6 +191,7 @@ class _ControlChannel:
         self.buffer = bytearray()
         self.fds: list[int] = []
         self.send_lock = asyncio.Lock()
+        self.closed = False
         sock.setblocking(False)
         self.loop.add_reader(sock.fileno(), self._readable)
 
@@ -217,13 +218,21 @@ class _ControlChannel:
             (size,) = HEADER.unpack_from(self.buffer)
             if len(self.buffer) < HEADER.size + size:
                 break
-            message = _zygote_decoder.decode(bytes(self.buffer[HEADER.size : HEADER.size + size]))
+            try:
+                message = _zygote_decoder.decode(self.buffer[HEADER.size : HEADER.size + size])
+            except msgspec.DecodeError:
+                log.error("the REPL zygote sent a malformed frame; dropping it")
+                self.close()
+                self.on_eof()
+                return
             del self.buffer[: HEADER.size + size]
             self.on_message(message, self.fds)
 
     async def send(self, message: msgspec.Struct, fd: int | None = None) -> None:
         frame = encode_frame(message)
         async with self.send_lock:
+            if self.closed:
+                raise RuntimeError("the REPL zygote exited")
             if fd is not None:
                 while True:
                     try:
@@ -240,7 +249,8 @@ class _ControlChannel:
             await self.loop.sock_sendall(self.sock, frame)
 
     def close(self) -> None:
-        if self.sock.fileno() >= 0:
+        if not self.closed:
+            self.closed = True
             self.loop.remove_reader(self.sock.fileno())
             self.sock.close()
         for fd in self.fds:
@@ -367,6 +377,11 @@ class Zygote:
             if not future.done():
                 future.set_exception(error)
         self._spawns.clear()
+        # Its workers die with it (PR_SET_PDEATHSIG); nobody is left to report how.
+        for session in self._by_pid.values():
+            if not session._status.done():
+                session._status.set_result(None)
+        self._by_pid.clear()
 
     # ---- sessions ---------------------------------------------------------------------------
 
@@ -374,6 +389,8 @@ class Zygote:
         """Fork a jailed worker. context=None inherits the zygote's context (shared, not copied)."""
         if self._closed or self._channel is None:
             raise RuntimeError("the REPL zygote is closed")
+        if self._channel.closed:
+            raise RuntimeError("the REPL zygote exited; start a new one")
         if not self._free_slots:
             raise RuntimeError(f"the REPL zygote already runs {_MAX_SLOTS} workers")
         slot = self._free_slots.pop()
@@ -440,8 +457,8 @@ class Zygote:
         self._closed = True
         for session in list(self._sessions):
             await session.close()
-        if self._channel is not None:
-            with contextlib.suppress(OSError):
+        if self._channel is not None and not self._channel.closed:
+            with contextlib.suppress(OSError, RuntimeError, TimeoutError):
                 await asyncio.wait_for(self._channel.send(Shutdown()), 1.0)
         try:
             await asyncio.wait_for(self._process.wait(), 5.0)
@@ -472,8 +489,8 @@ class Session:
         self._death: str | None = None
         self._closed = False
         loop = asyncio.get_running_loop()
-        self._status: asyncio.Future[int] = loop.create_future()
-        """The worker's wait status, as the zygote reports it."""
+        self._status: asyncio.Future[int | None] = loop.create_future()
+        """The worker's wait status once the zygote reaped it; None if the zygote died first."""
         self._gone: asyncio.Future[None] = loop.create_future()
         """Done once the worker process has exited: its pidfd turns readable."""
         loop.add_reader(pidfd, self._on_exit)
@@ -543,9 +560,13 @@ class Session:
                 status = await asyncio.wait_for(
                     asyncio.shield(self._status), _EXIT_REPORT_TIMEOUT_S
                 )
-                reason = _describe_exit(status, self._limits)
             except TimeoutError:
                 reason = "the worker is gone (the zygote did not report how)"
+            else:
+                if status is None:
+                    reason = "the REPL zygote died and took the worker with it"
+                else:
+                    reason = _describe_exit(status, self._limits)
             if self._death is None:
                 self._death = f"REPL worker died: {reason}; this session is over."
         return self._death
@@ -595,9 +616,8 @@ class Session:
                         and message.id == exec_id
                         and len(message.contexts) == len(message.prompts)
                     ):
-                        await self._send(
-                            Answers(id=exec_id, answers=await self._answer(message, on_query))
-                        )
+                        answers = await self._answer_while_alive(message, on_query)
+                        await self._send(Answers(id=exec_id, answers=answers))
                         continue
                     raise _ProtocolViolation(f"an unexpected {type(message).__name__} frame")
             except _ProtocolViolation as exc:
@@ -612,6 +632,22 @@ class Session:
             except BaseException:
                 await self._kill("the exec was abandoned by the trainer")
                 raise
+
+    async def _answer_while_alive(self, query: Query, on_query: QueryHandler | None) -> list[str]:
+        """Run the handler; if the worker dies meanwhile (e.g. the session is closed while its
+        children run), the handler is cancelled: nobody is left to read its answers."""
+        answering = asyncio.ensure_future(self._answer(query, on_query))
+        try:
+            await asyncio.wait({answering, self._gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            answering.cancel()
+            raise
+        if not answering.done():
+            answering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await answering
+            raise _WorkerGone
+        return answering.result()
 
     async def _answer(self, query: Query, on_query: QueryHandler | None) -> list[str]:
         if on_query is None:
@@ -637,6 +673,9 @@ class Session:
         await self._kill("this REPL session is closed")
         async with self._lock:
             pass
+        # Until the zygote has reaped it, the worker still counts against its uid's thread limit.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._status), _EXIT_REPORT_TIMEOUT_S)
         self._writer.close()
         with contextlib.suppress(ConnectionError):
             await self._writer.wait_closed()
