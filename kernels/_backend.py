@@ -95,7 +95,8 @@ def resolve_impl(impl: str, device: torch.device, op: str) -> str:
     if device.type == "cuda" and reason is None:
         return "triton"
     key = f"{op}:{device.type}"
-    if key not in _logged:
+    # Logging inside a torch.compile trace would break the graph; eager calls log it first.
+    if key not in _logged and not torch.compiler.is_compiling():
         _logged.add(key)
         log.info("%s: impl='auto' uses the chunked torch backend on %s tensors", op, device.type)
     return "torch"

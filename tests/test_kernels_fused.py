@@ -252,7 +252,7 @@ def test_compile_traces_every_op_without_graph_breaks():
             beta=0.1, impl="torch",
         )  # fmt: skip
         fused, m2 = fused_linear_grpo_loss(
-            x, w, targets, tok["old_logp"], tok["advantages"], tok["weights"], impl="torch"
+            x, w, targets, tok["old_logp"], tok["advantages"], tok["weights"], impl="auto"
         )
         nll = fused_linear_nll(x, w, targets, tok["weights"], impl="torch")
         return rl + fused + nll + 0.01 * entropy.sum() + m.kl_mean + m2.ratio_mean
