@@ -9,8 +9,9 @@ per-split (max, sum, sum of e*z) triples are merged by a tiny torch epilogue.
 
 Backward kernel: programs tile (row block, vocabulary tile), recompute the logit tile, form
 dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z) and scatter dX = dz @ W and dW = dz^T @ X into
-fp32 buffers with atomic adds (the Cut Cross-Entropy layout, without its gradient filter, so the
-result is exact). Grids are one-dimensional so no axis meets the 65,535 limit of axes 1 and 2.
+fp32 buffers with atomic adds (the Cut Cross-Entropy layout, without its filter that skips
+small gradient blocks: no entry is dropped; dz is rounded to the input dtype for the two dots).
+Grids are one-dimensional so no axis meets the 65,535 limit of axes 1 and 2.
 
 The op is registered with torch.library (opaque to torch.compile, with fake kernels for shapes)
 and differentiated by `LinearLogprobFunction`.
