@@ -18,6 +18,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from rlmtrain import _jail
@@ -66,7 +67,7 @@ def temp_dir():
 
 
 def attack(
-    code: str, temp_dir: str, *, followup: str | None = None
+    code: str, temp_dir: str, *, followup: str | None = None, limits: ReplLimits = LIMITS
 ) -> tuple[ExecResult, ExecResult | None]:
     """Run code in a fresh session beside a bystander; returns the attack's result and, if the
     session survived, the result of `followup` in the same session."""
@@ -75,7 +76,7 @@ def attack(
         zygote = await Zygote.start(
             context="ctx",
             tool_modules=[],
-            limits=LIMITS,
+            limits=limits,
             preload_modules=PRELOAD,
             temp_dir=temp_dir,
         )
@@ -108,10 +109,14 @@ def test_infinite_loop_is_killed_at_the_timeout(temp_dir):
 
 
 def test_memory_bomb_hits_the_address_space_limit(temp_dir):
-    code = "blocks = []\nwhile True:\n    blocks.append(b'x' * (32 << 20))"
-    result, after = attack(code, temp_dir, followup="n = len(blocks)\ndel blocks\nprint(n)")
+    # Every block is written, so the bomb really takes memory; a small limit and a generous
+    # timeout keep it quick and steady on a loaded machine.
+    limits = msgspec.structs.replace(LIMITS, memory_mb=256, exec_timeout_s=20.0)
+    code = "blocks = []\nwhile True:\n    blocks.append(b'x' * (16 << 20))"
+    followup = "n = len(blocks)\ndel blocks\nprint(n)"
+    result, after = attack(code, temp_dir, followup=followup, limits=limits)
     assert "MemoryError" in result.error and not result.dead
-    assert 0 < int(after.output) * 32 <= LIMITS.memory_mb
+    assert 0 < int(after.output) * 16 <= limits.memory_mb
 
 
 def test_fork_bomb_cannot_fork(temp_dir):
@@ -223,6 +228,12 @@ def test_exiting_is_reported_and_the_session_survives(temp_dir, code, message):
     result, after = attack("state = 'kept'\n" + code, temp_dir, followup="print(state)")
     assert message in result.error and not result.dead
     assert after.output == "kept\n"
+
+
+def test_cpu_time_limit_ends_the_worker(temp_dir):
+    limits = msgspec.structs.replace(LIMITS, cpu_s=1, exec_timeout_s=30.0)
+    result, _ = attack("while True:\n    pass", temp_dir, limits=limits)
+    assert result.dead and "CPU time limit of 1 s" in result.error
 
 
 def test_os_exit_ends_the_session_with_a_reason(temp_dir):
