@@ -71,8 +71,10 @@ DEFAULT_PRELOAD = [
     *("re", "json", "math", "cmath", "collections", "itertools", "functools", "operator"),
     *("string", "textwrap", "difflib", "statistics", "random", "datetime", "time", "heapq"),
     *("bisect", "copy", "pprint", "dataclasses", "typing", "fractions", "decimal", "hashlib"),
-    *("base64", "unicodedata", "csv", "io", "threading"),
-    *("encodings.idna", "encodings.latin_1", "encodings.cp1252", "encodings.utf_16"),
+    *("base64", "unicodedata", "csv", "io", "threading", "struct", "array", "enum"),
+    *("contextvars", "fnmatch", "glob", "html", "shlex", "urllib.parse", "zlib"),
+    # Imported lazily by functions of the modules above (time.strptime, str.encode).
+    *("_strptime", "encodings.idna", "encodings.latin_1", "encodings.cp1252", "encodings.utf_16"),
 ]
 """Stdlib modules imported in the zygote so that model code can import them after the jail
 (the interpreter's own directory may be unreadable to a worker's uid)."""

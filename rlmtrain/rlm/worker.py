@@ -173,6 +173,9 @@ def _format_error(exc: BaseException) -> str:
         )
     if isinstance(exc, KeyboardInterrupt):
         return "KeyboardInterrupt was raised; the REPL keeps its state."
+    if isinstance(exc, SyntaxError):
+        # Raised by the parser: its frames are ours, not the model's.
+        return "".join(traceback.format_exception_only(type(exc), exc))
     # Drop the worker's own frame and those inside the builtins, so the traceback shows the
     # model's code and the message.
     tb = exc.__traceback__.tb_next if exc.__traceback__ else None
