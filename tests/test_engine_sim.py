@@ -63,6 +63,21 @@ def test_stop_string_keeps_the_token_that_completes_it() -> None:
     assert TOKENIZER.decode(length.token_ids) == "dae" and length.finish_reason == "length"
 
 
+def test_stop_string_ending_in_a_multibyte_character() -> None:
+    """The completing byte decodes alone to U+FFFD, never to the string's last character."""
+
+    async def main():
+        engine = echo_engine()
+        prompt = TOKENIZER.encode("rest éfac")  # reversed: "café tser"
+        completion = await engine.generate(prompt, params(stop_strings=["café"]))
+        await engine.close()
+        return completion
+
+    completion = asyncio.run(main())
+    assert TOKENIZER.decode(completion.token_ids) == "café"
+    assert completion.finish_reason == "stop"
+
+
 def test_stop_strings_need_a_decoder() -> None:
     engine = SimEngine(script=hashed_script(10), eos_id=0)
     with pytest.raises(ValueError, match="need a tokenizer"):

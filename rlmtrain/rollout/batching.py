@@ -100,6 +100,7 @@ class BatchingEngine(abc.ABC):
         self.kv_budget_tokens = kv_budget_tokens
         self.max_prefill_tokens = max_prefill_tokens or kv_budget_tokens
         self._decode = decode
+        self._pieces: dict[int, str] = {}
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._reserved = 0
@@ -152,7 +153,7 @@ class BatchingEngine(abc.ABC):
             next(self._ids),
             list(prompt_ids),
             params,
-            StopCheck(params, self._decode),
+            StopCheck(params, self._decode, self._pieces),
             future,
         )
         request.reserved_tokens = self._reservation(request.prompt_ids, params)

@@ -85,13 +85,18 @@ class Engine(Protocol):
 class StopCheck:
     """Whether a growing completion has hit a stop token or a stop string.
 
-    Only the last few tokens are decoded each time (enough to hold the longest stop string), so
-    checking is O(1) per token; since the check runs after every token, a stop string is found
-    at the token that completes it.
+    Checking is O(1) per token: a new token can only complete a stop string if its own text
+    holds that string's last character (or is a partial character, U+FFFD), which the text of
+    the token alone tells (memoised per token id in `pieces`, shared by an engine's requests);
+    only then are the last few tokens decoded together and searched. Since the check runs after
+    every token, a stop string is found at the token that completes it.
     """
 
     def __init__(
-        self, params: SamplingParams, decode: Callable[[Sequence[int]], str] | None
+        self,
+        params: SamplingParams,
+        decode: Callable[[Sequence[int]], str] | None,
+        pieces: dict[int, str] | None = None,
     ) -> None:
         if params.stop_strings and decode is None:
             raise ValueError(
@@ -99,7 +104,9 @@ class StopCheck:
             )
         self._stop_ids = frozenset(params.stop_token_ids)
         self._strings = params.stop_strings
+        self._last_chars = frozenset(s[-1] for s in self._strings if s) | {"\ufffd"}
         self._decode = decode
+        self._pieces = {} if pieces is None else pieces
         # A token decodes to at least one character except for special tokens and partial UTF-8
         # sequences; a margin of 8 tokens covers both in practice.
         self._window = max((len(s) for s in self._strings), default=0) + 8
@@ -107,12 +114,19 @@ class StopCheck:
 
     def __call__(self, token_ids: Sequence[int]) -> EngineFinishReason | None:
         """The finish reason after the last token of `token_ids` was appended, or None."""
-        if token_ids[-1] in self._stop_ids:
+        last = token_ids[-1]
+        if last in self._stop_ids:
             return "stop"
-        if self._strings:
+        if self._strings and self._may_complete(last):
             tail = self._decode(token_ids[-self._window :])
             if any(s in tail for s in self._strings):
                 return "stop"
         if len(token_ids) >= self._max_new_tokens:
             return "length"
         return None
+
+    def _may_complete(self, token: int) -> bool:
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self._decode([token])
+        return any(char in piece for char in self._last_chars)

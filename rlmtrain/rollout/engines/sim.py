@@ -91,6 +91,9 @@ def hashed_script(vocab_size: int, *, min_tokens: int = 1, max_tokens: int = 64)
     return script
 
 
+_TIMER_SLACK_S = 0.002
+
+
 def _logprob(token: int, position: int) -> float:
     return -0.05 - ((token * 31 + position * 7) % 97) / 50.0
 
@@ -118,12 +121,18 @@ class SimEngine(BatchingEngine):
         self.script = script
         self.eos_id = eos_id
         self.latency = latency or LatencyModel()
+        self._clock = 0.0
         self.requests_seen: list[tuple[list[int], SamplingParams]] = []
         """Every admitted request's prompt and params, in admission order (for tests)."""
 
     async def _step(self, admitted: list[Request], running: list[Request]) -> None:
         prefill = sum(self.latency.prefill_tokens(len(r.prompt_ids)) for r in admitted)
-        done_at = time.perf_counter() + self.latency.step_s(len(admitted) + len(running), prefill)
+        # Steps run back to back on a modelled clock: a step that the event loop's timer ended
+        # late (uvloop's resolution is 1 ms) makes the next one end earlier, so timer slack does
+        # not add up over thousands of steps. After an idle gap the clock restarts from now.
+        now = time.perf_counter()
+        start = self._clock if now - self._clock < _TIMER_SLACK_S else now
+        done_at = self._clock = start + self.latency.step_s(len(admitted) + len(running), prefill)
         for request in admitted:
             request.state = list(self.script(request.prompt_ids, request.params))
             self.requests_seen.append((request.prompt_ids, request.params))
