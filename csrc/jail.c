@@ -284,25 +284,26 @@ static int add_rule(int ruleset, int fd, __u64 rights) {
     return (int)syscall(SYS_landlock_add_rule, ruleset, LANDLOCK_RULE_PATH_BENEATH, &rule, 0);
 }
 
-/* Everything beneath workdir_fd; reading only beneath read_fds (files or directories); nothing
- * elsewhere. The descriptors are O_PATH, opened while still privileged. Returns the ABI applied,
- * 0 without Landlock, -1 on error (errno set). Needs no_new_privs already set. */
-static int apply_landlock(int workdir_fd, const int *read_fds, int n_read) {
-    int abi = landlock_abi();
+/* Builds the ruleset: everything beneath workdir_fd; reading only beneath read_fds (files or
+ * directories); nothing elsewhere. The descriptors are O_PATH, opened while still privileged.
+ * Returns the ruleset fd (*abi set), -1 on error (errno set), or -2 when the kernel has no
+ * Landlock. Built before the rlimits, which may leave no room for new descriptors. */
+static int build_landlock_ruleset(int workdir_fd, const int *read_fds, int n_read, int *abi) {
     struct ruleset_attr attr;
     size_t attr_size = offsetof(struct ruleset_attr, handled_access_net);
     struct stat st;
     int ruleset, err, i;
 
-    if (abi < 1) return 0;
+    *abi = landlock_abi();
+    if (*abi < 1) return -2;
     memset(&attr, 0, sizeof(attr));
-    attr.handled_access_fs = handled_fs_rights(abi);
-    if (abi >= 4) {
+    attr.handled_access_fs = handled_fs_rights(*abi);
+    if (*abi >= 4) {
         /* Handled with no rule: every TCP bind and connect is refused. */
         attr.handled_access_net = LL_NET_BIND_TCP | LL_NET_CONNECT_TCP;
         attr_size = offsetof(struct ruleset_attr, scoped);
     }
-    if (abi >= 6) {
+    if (*abi >= 6) {
         attr.scoped = LL_SCOPE_ABSTRACT_UNIX | LL_SCOPE_SIGNAL;
         attr_size = sizeof(attr);
     }
@@ -316,9 +317,7 @@ static int apply_landlock(int workdir_fd, const int *read_fds, int n_read) {
         __u64 rights = LANDLOCK_ACCESS_FS_READ_FILE | (S_ISDIR(st.st_mode) ? LANDLOCK_ACCESS_FS_READ_DIR : 0);
         if (add_rule(ruleset, read_fds[i], rights) < 0) goto fail;
     }
-    if (syscall(SYS_landlock_restrict_self, ruleset, 0) < 0) goto fail;
-    close(ruleset);
-    return abi;
+    return ruleset;
 fail:
     err = errno;
     close(ruleset);
@@ -347,9 +346,9 @@ static int set_limit(int resource, rlim_t soft, rlim_t hard) {
     return setrlimit(resource, &rl);
 }
 
-/* Steps 2-5 of the module comment. Returns NULL on success, else the step that failed. */
-static const char *drop_and_confine(uid_t uid, gid_t gid, pid_t parent_pid, int workdir_fd, const int *read_fds,
-                                    int n_read, int *applied_landlock) {
+/* Steps 2-5 of the module comment; ruleset < 0 means no Landlock. Returns NULL on success,
+ * else the step that failed. */
+static const char *drop_and_confine(uid_t uid, gid_t gid, pid_t parent_pid, int ruleset) {
     if (geteuid() == 0) {
         if (setgroups(0, NULL)) return "setgroups";
         if (setresgid(gid, gid, gid)) return "setresgid";
@@ -366,11 +365,11 @@ static const char *drop_and_confine(uid_t uid, gid_t gid, pid_t parent_pid, int 
         return "parent check (the zygote is gone)";
     }
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) return "PR_SET_NO_NEW_PRIVS";
-    *applied_landlock = apply_landlock(workdir_fd, read_fds, n_read);
-    return *applied_landlock < 0 ? "landlock" : NULL;
+    if (ruleset >= 0 && syscall(SYS_landlock_restrict_self, ruleset, 0) < 0) return "landlock";
+    return NULL;
 }
 
-#define MAX_READABLE 64
+#define MAX_READABLE 256
 
 /* Opens each existing path of `readable` as O_PATH; paths that do not exist are skipped.
  * Returns the number opened, or -1 with a Python exception set. */
@@ -423,7 +422,7 @@ static PyObject *jail_enter(PyObject *self, PyObject *args, PyObject *kwargs) {
     PyObject *readable;
     Filter filter;
     struct sock_fprog prog;
-    int applied_landlock, workdir_fd, err, n_read;
+    int abi, ruleset, workdir_fd, err, n_read;
     int read_fds[MAX_READABLE];
     const char *failed_step;
 
@@ -444,6 +443,19 @@ static PyObject *jail_enter(PyObject *self, PyObject *args, PyObject *kwargs) {
     }
     n_read = open_readable(readable, read_fds);
     if (n_read < 0) return NULL;
+    workdir_fd = open(".", O_PATH | O_CLOEXEC | O_DIRECTORY);
+    if (workdir_fd < 0) {
+        err = errno;
+        while (n_read > 0) close(read_fds[--n_read]);
+        errno = err;
+        return raise_step("opening the working directory");
+    }
+    ruleset = build_landlock_ruleset(workdir_fd, read_fds, n_read, &abi);
+    err = errno;
+    close(workdir_fd);
+    while (n_read > 0) close(read_fds[--n_read]);
+    errno = err;
+    if (ruleset == -1) return raise_step("building the landlock ruleset");
 
     /* Soft CPU limit sends SIGXCPU (fatal by default), the hard one a second later SIGKILL. */
     failed_step = NULL;
@@ -455,26 +467,16 @@ static PyObject *jail_enter(PyObject *self, PyObject *args, PyObject *kwargs) {
     else if (set_limit(RLIMIT_CORE, 0, 0)) failed_step = "RLIMIT_CORE";
     else if (set_limit(RLIMIT_MEMLOCK, 0, 0)) failed_step = "RLIMIT_MEMLOCK";
     else if (set_limit(RLIMIT_MSGQUEUE, 0, 0)) failed_step = "RLIMIT_MSGQUEUE";
-    else {
-        workdir_fd = open(".", O_PATH | O_CLOEXEC | O_DIRECTORY);
-        if (workdir_fd < 0) {
-            failed_step = "opening the working directory";
-        } else {
-            failed_step = drop_and_confine(uid, gid, parent_pid, workdir_fd, read_fds, n_read, &applied_landlock);
-            err = errno;
-            close(workdir_fd);
-            errno = err;
-        }
-    }
+    else failed_step = drop_and_confine(uid, gid, parent_pid, ruleset);
     err = errno;
-    while (n_read > 0) close(read_fds[--n_read]);
+    if (ruleset >= 0) close(ruleset);
     errno = err;
     if (failed_step) return raise_step(failed_step);
 
     prog.len = filter.len;
     prog.filter = filter.insns;
     if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog)) return raise_step("seccomp");
-    return PyLong_FromLong(applied_landlock);
+    return PyLong_FromLong(ruleset >= 0 ? abi : 0);
 }
 
 PyDoc_STRVAR(set_parent_death_signal_doc,

@@ -276,6 +276,7 @@ class Zygote:
         self._counter = itertools.count()
         self._uid_base = 0
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None
 
     @classmethod
     async def start(
@@ -453,10 +454,14 @@ class Zygote:
         self._free_slots.append(session._slot)
 
     async def close(self) -> None:
-        """Kill the zygote and every live worker, and remove their directories."""
-        if self._closed:
-            return
+        """Kill the zygote and every live worker, and remove their directories; idempotent.
+        The cleanup runs to its end even if the caller is cancelled meanwhile."""
         self._closed = True
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         for session in list(self._sessions):
             await session.close()
         if self._channel is not None and not self._channel.closed:
@@ -490,6 +495,7 @@ class Session:
         self._exec_ids = itertools.count(1)
         self._death: str | None = None
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None
         loop = asyncio.get_running_loop()
         self._status: asyncio.Future[int | None] = loop.create_future()
         """The worker's wait status once the zygote reaped it; None if the zygote died first."""
@@ -642,12 +648,13 @@ class Session:
         try:
             await asyncio.wait({answering, self._gone}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
+            # Cancelled: the handler's children are cleaned up before the exec gives up.
             answering.cancel()
+            await asyncio.wait({answering})
             raise
         if not answering.done():
             answering.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await answering
+            await asyncio.wait({answering})
             raise _WorkerGone
         return answering.result()
 
@@ -667,10 +674,14 @@ class Session:
         return answers
 
     async def close(self) -> None:
-        """Kill the worker and remove its directory; idempotent."""
-        if self._closed:
-            return
+        """Kill the worker and remove its directory; idempotent. The cleanup runs to its end
+        even if the caller is cancelled meanwhile."""
         self._closed = True
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         # Kill first: an exec in progress then sees its worker gone and returns.
         await self._kill("this REPL session is closed")
         async with self._lock:

@@ -114,7 +114,9 @@ def readable_paths(module_names: list[str]) -> list[str]:
         package_dirs = getattr(top, "__path__", None)
         # Built-in modules have neither; a plain module grants its own file, not its directory.
         paths += list(package_dirs) if package_dirs else [getattr(top, "__file__", None)]
-    return sorted({os.path.abspath(p) for p in paths if p})
+    unique = sorted({os.path.abspath(p) for p in paths if p})
+    # One rule covers everything beneath it: drop paths inside another listed one.
+    return [p for p in unique if not any(p.startswith(q + os.sep) for q in unique)]
 
 
 # ---- worker ----------------------------------------------------------------------------------
