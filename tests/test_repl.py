@@ -339,3 +339,32 @@ def test_a_dead_zygote_takes_its_workers_and_says_so(temp_dir):
         await session.close()
 
     run_with_zygote(body, temp_dir)
+
+
+def test_a_cancelled_exec_waits_for_its_handler_to_unwind(temp_dir):
+    unwound = []
+
+    async def children_still_running(prompts, contexts):
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.2)  # e.g. closing the children's own sessions
+            unwound.append(prompts)
+
+    async def body(zygote):
+        session = await zygote.session()
+        running = asyncio.create_task(session.exec("rlm_query('child')", children_still_running))
+        await asyncio.sleep(0.3)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert unwound == [["child"]] and zygote.live_workers() == 0
+        closing = asyncio.create_task(session.close())
+        await asyncio.sleep(0)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        await session.close()  # the cancelled close finished its cleanup all the same
+        assert not os.path.exists(session.workdir)
+
+    run_with_zygote(body, temp_dir)
