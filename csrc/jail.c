@@ -1,7 +1,8 @@
 /*
  * rlmtrain._jail: lock a freshly forked REPL worker into its box.
  *
- * Called once, in the worker, after fork and before any model code runs. In order:
+ * Called once, in the worker, after fork and before any model code runs. The Landlock ruleset
+ * (step 5) is built first, while descriptors are not yet limited; then, in order:
  *   1. rlimits (address space, CPU seconds, open files, file size, threads, no core dumps);
  *   2. when running as root, drop to the worker's own unprivileged uid/gid (no supplementary
  *      groups). A uid per worker makes RLIMIT_NPROC a per-worker thread budget and puts every

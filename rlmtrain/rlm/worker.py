@@ -15,9 +15,9 @@ Model code runs on the worker's main thread with globals that persist across exe
 `SystemExit` and `KeyboardInterrupt` raised by model code are reported as errors and the
 session continues; `os._exit` or a crash ends the worker and the trainer reports it dead.
 
-Reads after the jail are limited by file permissions, and the interpreter may live in a
-directory the worker's uid cannot read (e.g. /root/.pyenv): modules that model code should be
-able to import must be preloaded in the zygote.
+After the jail a worker reads only beneath `readable_paths()` (Landlock) and only what its uid
+may read: the interpreter may live in a directory that uid cannot enter (e.g. /root/.pyenv), so
+modules that model code should be able to import are preloaded in the zygote.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from rlmtrain.rlm.protocol import (
     send_frame,
 )
 
-__all__ = ["main", "load_tools"]
+__all__ = ["load_tools", "main", "readable_paths"]
 
 _WORKER_FD = 3
 _EXIT_PROTOCOL = 3
