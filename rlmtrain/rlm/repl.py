@@ -18,6 +18,8 @@ Design (process side in `rlmtrain.rlm.worker`, jail in `csrc/jail.c`):
   never be hit.
 - The exec timer runs only while the worker runs: time waiting for `on_query` (child RLM calls)
   is not counted. A timeout kills the worker; the session is then dead (`ExecResult.dead`).
+- The zygote dies with the thread that started it (PR_SET_PDEATHSIG follows the parent
+  thread): start zygotes from the thread that runs the event loop.
 - Each worker runs as its own unprivileged uid (`uid_base + slot`, the base derived from the
   zygote's pid so that concurrent zygotes do not share uids) in its own empty directory under
   the zygote's temporary root; both are released when the worker is gone.
@@ -586,7 +588,8 @@ class Session:
 
     async def exec(self, code: str, on_query: QueryHandler | None = None) -> ExecResult:
         """Run code in the worker. Returns dead=True (with the reason in error) if the worker is
-        or becomes unusable; raises only if on_query misbehaves (after killing the worker)."""
+        or becomes unusable; raises only if on_query misbehaves. If the exec is cancelled or
+        on_query raises, the worker is killed (after on_query was cancelled and has unwound)."""
         async with self._lock:
             if self._closed:
                 return ExecResult(
