@@ -368,3 +368,17 @@ def test_a_cancelled_exec_waits_for_its_handler_to_unwind(temp_dir):
         assert not os.path.exists(session.workdir)
 
     run_with_zygote(body, temp_dir)
+
+
+def test_lone_surrogates_are_escaped_not_fatal(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        printed = ok(await session.exec("print(chr(0xD800))"))
+        assert printed.output == "\\ud800\n"
+        final = ok(await session.exec("FINAL('a' + chr(0xDCFF))"))
+        assert final.final == "a\\udcff"
+        raised = await session.exec("raise ValueError(chr(0xD800))")
+        assert "ValueError: \\ud800" in raised.error and not raised.dead
+        await session.close()
+
+    run_with_zygote(body, temp_dir)

@@ -188,6 +188,16 @@ def _format_error(exc: BaseException) -> str:
     return "".join(report.format())
 
 
+def _wire_safe(text: str) -> str:
+    """msgpack strings are UTF-8, which a lone surrogate (chr(0xD800), surrogateescape) is not;
+    escape those rather than fail to report the exec."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def _refuse_system(command: str) -> int:
     # libc's system() fails quietly (status 127) once the jail refuses the fork; say why.
     raise PermissionError(f"os.system({command!r}): the REPL cannot start processes")
@@ -256,9 +266,9 @@ class _Worker:
             final = None
         return Done(
             id=request.id,
-            output=capture.getvalue(),
-            error=clip_text(error, self.limits.output_limit_chars),
-            final=final,
+            output=_wire_safe(capture.getvalue()),
+            error=_wire_safe(clip_text(error, self.limits.output_limit_chars)),
+            final=None if final is None else _wire_safe(final),
             calls=calls,
         )
 
