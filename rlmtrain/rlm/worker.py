@@ -67,7 +67,7 @@ __all__ = ["load_tools", "main", "readable_paths"]
 
 _WORKER_FD = 3
 _EXIT_PROTOCOL = 3
-_BUILTINS_FILE = rlm_builtins.__file__
+_RUNTIME_FILES = frozenset({rlm_builtins.__file__, __file__})
 _TRUSTED_FRAME_BYTES = 1 << 40
 _zygote_decoder = msgspec.msgpack.Decoder(Boot | Spawn | Shutdown)
 _worker_decoder = msgspec.msgpack.Decoder(Exec | Answers)
@@ -144,6 +144,8 @@ class _Channel:
             raise TypeError(
                 f"rlm_query: contexts must be plain data (str, numbers, lists, dicts): {exc}"
             ) from None
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"rlm_query: prompts and contexts must be valid text: {exc}") from None
         if len(body) > self.max_frame_bytes:
             raise ValueError(
                 f"rlm_query: prompts and contexts take {len(body)} bytes, "
@@ -178,12 +180,11 @@ def _format_error(exc: BaseException) -> str:
     if isinstance(exc, SyntaxError):
         # Raised by the parser: its frames are ours, not the model's.
         return "".join(traceback.format_exception_only(type(exc), exc))
-    # Drop the worker's own frame and those inside the builtins, so the traceback shows the
-    # model's code and the message.
-    tb = exc.__traceback__.tb_next if exc.__traceback__ else None
-    report = traceback.TracebackException(type(exc), exc, tb)
+    # Drop the frames of this runtime (the exec call, the builtins), so the traceback shows the
+    # model's code, its tools and the message.
+    report = traceback.TracebackException(type(exc), exc, exc.__traceback__)
     report.stack = traceback.StackSummary.from_list(
-        [frame for frame in report.stack if frame.filename != _BUILTINS_FILE]
+        [frame for frame in report.stack if frame.filename not in _RUNTIME_FILES]
     )
     return "".join(report.format())
 
