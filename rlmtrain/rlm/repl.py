@@ -5,6 +5,11 @@
     result = await session.exec("print(len(context))", on_query=handler)
     await session.close(); await zygote.close()
 
+What model code sees (details in `rlmtrain.rlm.builtins`): globals that persist across execs;
+a trailing expression is echoed like a REPL; FINAL / FINAL_VAR record the answer and stop the
+exec; `sys.exit`, `exit()` and KeyboardInterrupt come back as errors and the session lives on;
+`os._exit`, a crash or a limit ends the worker and the result says dead=True and why.
+
 Design (process side in `rlmtrain.rlm.worker`, jail in `csrc/jail.c`):
 - The zygote is a fresh interpreter (`python -I -m rlmtrain.rlm.worker`), never a fork of the
   multithreaded trainer. It loads the tools and the context once; every session is a fork of it,
