@@ -32,7 +32,6 @@ Design (process side in `rlmtrain.rlm.worker`, jail in `csrc/jail.c`):
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
 import itertools
@@ -50,6 +49,7 @@ from typing import Any
 import msgspec
 
 from rlmtrain.rlm.builtins import MAX_RECORDED_CALLS, clip_text
+from rlmtrain.rlm.control import ControlChannel
 from rlmtrain.rlm.protocol import (
     HEADER,
     Answers,
@@ -149,7 +149,6 @@ class _WorkerGone(Exception):
 
 
 _worker_decoder = msgspec.msgpack.Decoder(Ready | Query | Done)
-_zygote_decoder = msgspec.msgpack.Decoder(Booted | BootFailed | Spawned | SpawnFailed | Exited)
 
 
 def _worker_env() -> dict[str, str]:
@@ -184,89 +183,6 @@ def _describe_exit(status: int, limits: ReplLimits) -> str:
     return f"the worker exited with status {code} (os._exit or a fatal interpreter error)"
 
 
-class _ControlChannel:
-    """The trainer's end of the zygote's control socket, read by an event-loop reader."""
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        on_message: Callable[[Any, list[int]], None],
-        on_eof: Callable[[], None],
-    ):
-        self.sock = sock
-        self.loop = asyncio.get_running_loop()
-        self.on_message = on_message
-        self.on_eof = on_eof
-        self.buffer = bytearray()
-        self.fds: list[int] = []
-        self.send_lock = asyncio.Lock()
-        self.closed = False
-        sock.setblocking(False)
-        self.loop.add_reader(sock.fileno(), self._readable)
-
-    def _readable(self) -> None:
-        try:
-            data, ancdata, _, _ = self.sock.recvmsg(
-                1 << 16, socket.CMSG_SPACE(4 * array.array("i").itemsize)
-            )
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data, ancdata = b"", []
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                self.fds.extend(fds)
-        if not data:
-            self.close()
-            self.on_eof()
-            return
-        self.buffer += data
-        while len(self.buffer) >= HEADER.size:
-            (size,) = HEADER.unpack_from(self.buffer)
-            if len(self.buffer) < HEADER.size + size:
-                break
-            try:
-                message = _zygote_decoder.decode(self.buffer[HEADER.size : HEADER.size + size])
-            except msgspec.DecodeError:
-                log.error("the REPL zygote sent a malformed frame; dropping it")
-                self.close()
-                self.on_eof()
-                return
-            del self.buffer[: HEADER.size + size]
-            self.on_message(message, self.fds)
-
-    async def send(self, message: msgspec.Struct, fd: int | None = None) -> None:
-        frame = encode_frame(message)
-        async with self.send_lock:
-            if self.closed:
-                raise RuntimeError("the REPL zygote exited")
-            if fd is not None:
-                while True:
-                    try:
-                        sent = socket.send_fds(self.sock, [frame[: HEADER.size]], [fd])
-                        break
-                    except BlockingIOError:
-                        writable = self.loop.create_future()
-                        self.loop.add_writer(self.sock.fileno(), writable.set_result, None)
-                        try:
-                            await writable
-                        finally:
-                            self.loop.remove_writer(self.sock.fileno())
-                frame = frame[sent:]
-            await self.loop.sock_sendall(self.sock, frame)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.loop.remove_reader(self.sock.fileno())
-            self.sock.close()
-        for fd in self.fds:
-            os.close(fd)
-        self.fds.clear()
-
-
 class Zygote:
     """One per task context: tools imported and context loaded once, then a fork per session."""
 
@@ -274,7 +190,7 @@ class Zygote:
         self._process = process
         self.limits = limits
         self.temp_root = temp_root
-        self._channel: _ControlChannel | None = None
+        self._channel: ControlChannel | None = None
         self._booted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._spawns: dict[int, asyncio.Future] = {}
         self._by_pid: dict[int, Session] = {}
@@ -327,7 +243,7 @@ class Zygote:
             limits=limits,
             temp_root=tempfile.mkdtemp(prefix="rlmtrain-repl-", dir=temp_dir),
         )
-        zygote._channel = _ControlChannel(ours, zygote._on_message, zygote._on_eof)
+        zygote._channel = ControlChannel(ours, zygote._on_message, zygote._on_eof)
         try:
             await zygote._channel.send(
                 Boot(
