@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmtrain.rlm.repl import ExecResult, ReplLimits, Zygote
+from rlmtrain.rlm.repl import ExecResult, ReplLimits, Zygote, _uid_block_start
 
 LIMITS = ReplLimits(exec_timeout_s=3.0, memory_mb=1024, cpu_s=60, output_limit_chars=400)
 TOOLS = ["pprint", "textwrap"]
@@ -382,3 +382,20 @@ def test_lone_surrogates_are_escaped_not_fatal(temp_dir):
         await session.close()
 
     run_with_zygote(body, temp_dir)
+
+
+@pytest.mark.parametrize(
+    ("uid_map", "expected"),
+    [
+        ("0 0 4294967295", (1 << 30) + 7 * 4096),  # the whole range: far above real users
+        ("0 1000 65536", 32768 + (7 % 8) * 4096),  # rootless container: upper half of its map
+        ("0 0 1\n1 100000 65536", 1 + 32768 + (7 % 8) * 4096),
+    ],
+)
+def test_worker_uids_stay_inside_the_user_namespace(tmp_path, uid_map, expected):
+    path = tmp_path / "uid_map"
+    path.write_text(uid_map + "\n")
+    assert _uid_block_start(7, str(path)) == expected
+    path.write_text("0 0 100\n")
+    with pytest.raises(RuntimeError, match="maps no range"):
+        _uid_block_start(7, str(path))

@@ -86,7 +86,7 @@ DEFAULT_PRELOAD = [
 """Stdlib modules imported in the zygote so that model code can import them after the jail
 (the interpreter's own directory may be unreadable to a worker's uid)."""
 
-_UID_BASE = 1 << 30
+_UID_FLOOR = 1 << 30
 _MAX_SLOTS = 1 << 12
 _READY_TIMEOUT_S = 30.0
 _EXIT_REPORT_TIMEOUT_S = 2.0
@@ -183,6 +183,27 @@ def _describe_exit(status: int, limits: ReplLimits) -> str:
     return f"the worker exited with status {code} (os._exit or a fatal interpreter error)"
 
 
+def _uid_block_start(zygote_pid: int, uid_map: str = "/proc/self/uid_map") -> int:
+    """First uid of a zygote's block of _MAX_SLOTS worker uids (used as gids too).
+
+    Far above real users (from 2**30) when the user namespace maps such uids, else in the upper
+    half of its largest mapped range (a rootless container maps only a few); the block is
+    picked by zygote pid so that concurrent zygotes rarely share one.
+    """
+    best_start, best_blocks = 0, 0
+    with open(uid_map) as f:
+        for line in f:
+            inside, _, length = (int(x) for x in line.split())
+            end = min(inside + length, (1 << 32) - 1)  # (uid_t)-1 is no uid
+            start = max(inside, min(_UID_FLOOR, inside + (end - inside) // 2), 1)
+            blocks = (end - start) // _MAX_SLOTS
+            if blocks > best_blocks:
+                best_start, best_blocks = start, blocks
+    if best_blocks == 0:
+        raise RuntimeError(f"{uid_map} maps no range of {_MAX_SLOTS} uids for REPL workers")
+    return best_start + (zygote_pid % best_blocks) * _MAX_SLOTS
+
+
 class Zygote:
     """One per task context: tools imported and context loaded once, then a fork per session."""
 
@@ -260,7 +281,7 @@ class Zygote:
         except BaseException:
             await zygote.close()
             raise
-        zygote._uid_base = _UID_BASE + ((booted.pid & 0x3FFFF) << 12)
+        zygote._uid_base = _uid_block_start(booted.pid)
         if booted.landlock_abi == 0:
             log.warning("no Landlock in this kernel: REPL workers can write wherever their uid may")
         return zygote
