@@ -1,5 +1,5 @@
 """`rlmtrain rollout` end to end on the embedded config, shrunk: one synthetic paper group, one
-task, two trees of two short turns, the native engine with the random tiny model, the real REPL.
+task, two trees of one short turn, the native engine with the random tiny model, the real REPL.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def test_rollout_writes_groups_and_a_summary(tmp_path: Path, capsys) -> None:
             f"--checkpoint.dir={tmp_path / 'run'}",
             "--data.synth_groups=1",
             "--rollout.n_samples=2",
-            "--rollout.max_turns=2",
-            "--rollout.max_new_tokens=24",
+            "--rollout.max_turns=1",
+            "--rollout.max_new_tokens=8",
         ]
     )
     assert code == 0
@@ -38,7 +38,7 @@ def test_rollout_writes_groups_and_a_summary(tmp_path: Path, capsys) -> None:
     for trajectory in group.trajectories:
         assert trajectory.finish_reason in ("max_turns", "final", "error")
         for turn in trajectory.turns:
-            assert 1 <= len(turn.completion_ids) <= 24
+            assert 1 <= len(turn.completion_ids) <= 8
             assert len(turn.sampler_logprobs) == len(turn.completion_ids)
     summary = capsys.readouterr().out
     assert f"wrote 1 groups to {out}" in summary

@@ -384,9 +384,7 @@ def test_cancelled_rollout_leaves_nothing_running(tmp_path: Path) -> None:
     before = _descendants()
 
     async def main() -> None:
-        rollout = asyncio.create_task(
-            scheduler.rollout([Task(id="t", query="ROOT")], DocEnv(), 3)
-        )
+        rollout = asyncio.create_task(scheduler.rollout([Task(id="t", query="ROOT")], DocEnv(), 3))
         while scheduler.live()["workers"] < 9:
             await asyncio.sleep(0.01)
         rollout.cancel()
@@ -454,6 +452,7 @@ def test_deeper_requests_go_first(tmp_path: Path) -> None:
     assert order.index("child") <= 3
 
 
+@pytest.mark.slow
 def test_worker_limit_is_deadlock_free_under_deep_trees(tmp_path: Path) -> None:
     """Three levels of REPL trajectories, many trees, and only max_depth + 1 workers."""
 
