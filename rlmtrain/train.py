@@ -1,0 +1,433 @@
+"""The single training script: data, SFT warm-up on teacher trees, then GRPO over rollout trees.
+
+    rlmtrain train --config configs/tiny-cpu.toml [--section.key=value ...]
+
+Read top to bottom, it is the whole loop of ARCHITECTURE.md on one process:
+
+1. data: the environment's tasks (the evidence corpus is synthesised, rendered to PDF and parsed
+   back when no task file is given);
+2. SFT: the environment's scripted teacher plays its tasks through the real REPL and trajectory
+   loop; trees with a REPL error or a zero score are dropped; every kept turn is an NLL sample;
+3. RL: each step rolls out `tasks_per_step` tasks × G roots with the scheduler on the engine,
+   scores roots, turns rewards into tree advantages and exact per-token weights, packs the turns
+   and takes one clipped-GRPO step through the fused loss; the new weights go to the engine by
+   their Hugging Face names;
+4. the final model is saved as a Hugging Face checkpoint.
+
+Single-process (CPU or one GPU). FSDP2 sharding, vLLM colocation and resuming build on these
+same seams and are not wired here yet; a config asking for them stops with a clear error.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import uvloop
+
+from rlmtrain.algo import (
+    MicroBatch,
+    PackedBatches,
+    build_samples,
+    build_sft_samples,
+    compute_advantages,
+    pack,
+)
+from rlmtrain.config import Config, ConfigError
+from rlmtrain.envs.base import Env, Task, get_env
+from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
+from rlmtrain.model import Transformer, build_model, named_hf_tensors, save_hf
+from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
+from rlmtrain.rewards.span_f1 import span_f1
+from rlmtrain.rlm.records import RolloutGroup, Trajectory
+from rlmtrain.rollout.engines.native import NativeEngine
+from rlmtrain.rollout.scheduler import Scheduler
+
+log = logging.getLogger("rlmtrain.train")
+
+_TEACHERS = {
+    "evidence": "rlmtrain.envs.evidence_teacher",
+    "booknav": "rlmtrain.envs.booknav_teacher",
+    "codenav": "rlmtrain.envs.codenav_teacher",
+}
+
+
+def main(cfg: Config) -> int:
+    # ---------------------------------------------------------------- set-up
+    logging.basicConfig(level=cfg.logging.level.upper(), format="%(message)s", stream=sys.stderr)
+    _refuse_unwired(cfg)
+    device = _device(cfg.train.device)
+    random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    run_dir = Path(cfg.checkpoint.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = _MetricsLog(Path(cfg.logging.metrics_path or run_dir / "metrics.jsonl"))
+
+    # ---------------------------------------------------------------- data
+    env = get_env(cfg.data.env, cfg)
+    tasks = _load_tasks(cfg, env, run_dir)
+    log.info("data: %d %s tasks", len(tasks), cfg.data.env)
+
+    # ---------------------------------------------------------------- model
+    tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.hf_dir)
+    model = build_model(cfg.model).to(device)
+    if tokenizer.vocab_size > model.args.vocab_size:
+        raise ConfigError(
+            f"model.tokenizer: vocabulary of {tokenizer.vocab_size} does not fit the model's "
+            f"{model.args.vocab_size} embeddings"
+        )
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+    )
+    log.info("model: %s, %.2fM parameters on %s", cfg.model.preset, _millions(model), device)
+
+    # ---------------------------------------------------------------- SFT warm-up
+    if cfg.train.sft_steps:
+        teacher_groups = _teacher_groups(cfg, env, tasks, tokenizer)
+        scorer = _teacher_score(env)
+        order = list(range(len(teacher_groups)))
+        for step in range(cfg.train.sft_steps):
+            began = time.perf_counter()
+            if step % max(1, len(order) // cfg.train.tasks_per_step) == 0:
+                random.shuffle(order)
+            pick = [teacher_groups[i] for i in _window(order, step, cfg.train.tasks_per_step)]
+            samples, stats = build_sft_samples(pick, scorer, cfg.algo)
+            if not samples:
+                log.info("sft %d: no teacher tree kept (%s), skipped", step, _stats_line(stats))
+                continue
+            batches = pack(
+                samples, cfg.algo.micro_batch_tokens, truncate=cfg.algo.truncate_long_samples
+            )
+            row = _sft_step(model, optimizer, batches, cfg, device)
+            row.update(phase="sft", step=step, seconds=time.perf_counter() - began)
+            metrics.write(row)
+            if step % cfg.logging.every == 0 or step == cfg.train.sft_steps - 1:
+                log.info(
+                    "sft %3d  nll %.4f  entropy %.3f  tokens %d  %.0f tok/s",
+                    step,
+                    row["loss"],
+                    row["entropy"],
+                    row["tokens"],
+                    row["tokens"] / row["seconds"],
+                )
+
+    # ---------------------------------------------------------------- RL
+    if cfg.train.steps:
+        uvloop.run(_rl(cfg, model, optimizer, tokenizer, env, tasks, device, metrics))
+
+    # ---------------------------------------------------------------- save
+    out = run_dir / "final"
+    save_hf(model, out)
+    log.info("saved %s", out)
+    return 0
+
+
+# ==================================================================== RL phase
+
+
+async def _rl(
+    cfg: Config,
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    tokenizer: Tokenizer,
+    env: Env,
+    tasks: list[Task],
+    device: torch.device,
+    metrics: _MetricsLog,
+) -> None:
+    # The engine serves its own copy of the policy, kept in step through update_weights exactly
+    # as a separate inference engine would be; on a CPU the copy costs only the parameters.
+    engine = NativeEngine(
+        copy.deepcopy(model).eval(),
+        max_batch_size=cfg.rollout.max_batch_size,
+        kv_cache_tokens=cfg.rollout.kv_cache_tokens,
+        decode=tokenizer.decode,
+        seed=cfg.train.seed,
+    )
+    scheduler = Scheduler(engine, tokenizer, cfg.rollout)
+    order = list(range(len(tasks)))
+    try:
+        for step in range(cfg.train.steps):
+            began = time.perf_counter()
+            if step % max(1, len(order) // cfg.train.tasks_per_step) == 0:
+                random.shuffle(order)
+            batch = [tasks[i] for i in _window(order, step, cfg.train.tasks_per_step)]
+            groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples)
+            rewards = [
+                (await env.reward(task, group)).scores
+                for task, group in zip(batch, groups, strict=True)
+            ]
+            advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo)
+            row: dict[str, Any] = {
+                "phase": "rl",
+                "step": step,
+                "reward_mean": _mean(r for rs in rewards for r in rs if r is not None),
+                "groups_kept": len(advantages),
+                "groups_dropped_uniform": adv_stats.groups_dropped_uniform,
+                "roots_unscored": adv_stats.roots_unscored,
+                **_rollout_row(scheduler),
+            }
+            samples = build_samples(
+                groups, advantages, cfg.algo, num_groups=max(1, len(advantages))
+            )
+            if samples:
+                batches = pack(
+                    samples, cfg.algo.micro_batch_tokens, truncate=cfg.algo.truncate_long_samples
+                )
+                row.update(_grpo_step(model, optimizer, batches, cfg, device))
+                await engine.update_weights(named_hf_tensors(model))
+            row["seconds"] = time.perf_counter() - began
+            metrics.write(row)
+            if step % cfg.logging.every == 0 or step == cfg.train.steps - 1:
+                log.info(
+                    "rl %3d  reward %.3f  groups %d/%d  loss %s  tokens %d  rollout %.1f s  "
+                    "step %.1f s  finish %s",
+                    step,
+                    row["reward_mean"],
+                    len(advantages),
+                    len(groups),
+                    f"{row['loss']:.4f}" if "loss" in row else "-",
+                    row.get("tokens", 0),
+                    row["rollout_s"],
+                    row["seconds"],
+                    row["finish_reasons"],
+                )
+    finally:
+        await engine.close()
+
+
+# ==================================================================== train steps
+
+
+def _forward(
+    model: Transformer, mb: MicroBatch, device: torch.device
+) -> tuple[MicroBatch, torch.Tensor]:
+    mb = mb.to(device)
+    return mb, model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+
+
+def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> dict[str, Any]:
+    """One optimizer step of weighted NLL over every micro-batch (weights sum to the objective)."""
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total_loss, entropy_sum, trained = 0.0, 0.0, 0
+    for mb in batches.micro_batches():
+        if mb.num_tokens == 0:
+            continue
+        mb, hidden = _forward(model, mb, device)
+        loss, entropy = fused_linear_nll(
+            hidden,
+            model.lm_head_weight,
+            mb.targets,
+            mb.weights,
+            return_entropy=True,
+            impl=cfg.train.loss_impl,
+        )
+        loss.backward()
+        mask = mb.targets != -100
+        total_loss += loss.item()
+        entropy_sum += float(entropy[mask].sum())
+        trained += int(mask.sum())
+    grad_norm = _clip_and_step(model, optimizer, cfg)
+    return {
+        "loss": total_loss,
+        "entropy": entropy_sum / max(1, trained),
+        "tokens": batches.stats.tokens,
+        "trained_tokens": trained,
+        "grad_norm": grad_norm,
+    }
+
+
+def _grpo_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> dict[str, Any]:
+    """One clipped-GRPO step. pi_old is the policy before this step (one update per rollout),
+    computed in a no-grad pass; the engine's log-probs enter through truncated IS."""
+    model.eval()
+    micro = [mb.to(device) for mb in batches.micro_batches() if mb.num_tokens]
+    with torch.no_grad():
+        old = [
+            fused_linear_logprob(
+                model(mb.input_ids, mb.position_ids, mb.cu_seqlens),
+                model.lm_head_weight,
+                mb.targets,
+                impl=cfg.train.loss_impl,
+            )
+            for mb in micro
+        ]
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total, clip_low, clip_high, mismatch = 0.0, 0.0, 0.0, 0.0
+    for mb, old_logp in zip(micro, old, strict=True):
+        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+        loss, m = fused_linear_grpo_loss(
+            hidden,
+            model.lm_head_weight,
+            mb.targets,
+            old_logp,
+            mb.advantages,
+            mb.weights,
+            clip_low=cfg.algo.clip_low,
+            clip_high=cfg.algo.clip_high,
+            dual_clip=cfg.algo.dual_clip or None,
+            sampler_logp=mb.sampler_logp if cfg.algo.tis_cap else None,
+            tis_cap=cfg.algo.tis_cap or None,
+            impl=cfg.train.loss_impl,
+        )
+        loss.backward()
+        share = mb.num_tokens / batches.stats.tokens
+        total += loss.item()
+        clip_low += float(m.clip_low_frac) * share
+        clip_high += float(m.clip_high_frac) * share
+        trained = mb.targets != -100
+        mismatch = max(
+            mismatch, float((old_logp - mb.sampler_logp)[trained].abs().max(initial=0.0))
+        )
+    grad_norm = _clip_and_step(model, optimizer, cfg)
+    return {
+        "loss": total,
+        "clip_frac_low": clip_low,
+        "clip_frac_high": clip_high,
+        "engine_logp_max_abs_diff": mismatch,
+        "tokens": batches.stats.tokens,
+        "grad_norm": grad_norm,
+    }
+
+
+def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Config) -> float:
+    max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"gradient norm is {norm}; step skipped would hide it, stopping")
+    optimizer.step()
+    return norm
+
+
+# ==================================================================== helpers
+
+
+def _refuse_unwired(cfg: Config) -> None:
+    if cfg.rollout.engine != "native":
+        raise ConfigError(
+            f"rollout.engine: '{cfg.rollout.engine}' is not wired into train yet; use 'native'"
+        )
+    if cfg.checkpoint.resume:
+        raise ConfigError("checkpoint.resume: resuming is not wired into train yet")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device: '{name}' requested but CUDA is not available")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ConfigError(f"train.device: '{name}' is not 'auto', 'cpu' or 'cuda[:N]'")
+    return torch.device(name)
+
+
+def _load_tasks(cfg: Config, env: Env, run_dir: Path) -> list[Task]:
+    path = Path(cfg.data.train_path) if cfg.data.train_path else None
+    if path is None:
+        if cfg.data.env != "evidence":
+            raise ConfigError(f"data.train_path: required for env '{cfg.data.env}'")
+        from rlmtrain.envs.synth import synthesize
+
+        out = run_dir / "data"
+        path = out / "tasks.jsonl"
+        if not path.is_file():
+            summary = synthesize(
+                out, groups=cfg.data.synth_groups, seed=cfg.data.seed, progress=True
+            )
+            log.info(
+                "data: synthesised %d papers, %d tasks in %.1f s",
+                summary.papers,
+                summary.tasks,
+                summary.seconds,
+            )
+    if not path.is_file():
+        raise ConfigError(f"data.train_path: {path} not found")
+    tasks = env.load_tasks(path)
+    if not tasks:
+        raise ConfigError(f"data.train_path: {path} holds no tasks")
+    return tasks
+
+
+def _teacher_groups(
+    cfg: Config, env: Env, tasks: list[Task], tokenizer: Tokenizer
+) -> list[RolloutGroup]:
+    import importlib
+
+    from rlmtrain.rlm.agent import AgentLimits
+
+    teacher = importlib.import_module(_TEACHERS[cfg.data.env])
+    began = time.perf_counter()
+    groups = uvloop.run(
+        teacher.teach(env, tasks, tokenizer, limits=AgentLimits.from_config(cfg.rollout))
+    )
+    turns = sum(len(t.turns) for g in groups for t in g.trajectories)
+    log.info(
+        "sft: teacher played %d tasks (%d turns) in %.1f s",
+        len(groups),
+        turns,
+        time.perf_counter() - began,
+    )
+    return groups
+
+
+def _teacher_score(env: Env) -> Callable[[Trajectory, Any], float]:
+    def score(root: Trajectory, task: Any) -> float:
+        truth = getattr(task, "evidence", None)
+        if truth is not None:
+            return 0.0 if root.answer is None else span_f1(root.answer, [s.text for s in truth])
+        return 1.0 if root.finish_reason == "final" else 0.0
+
+    return score
+
+
+def _rollout_row(scheduler: Scheduler) -> dict[str, Any]:
+    m = scheduler.metrics
+    return {
+        "rollout_s": m.wall_s,
+        "generated_tokens": m.generated_tokens,
+        "engine_tokens_per_s": m.tokens_per_s,
+        "engine_occupancy": m.engine_occupancy,
+        "finish_reasons": m.finish_reasons,
+        "children_per_root": m.children_per_root_mean,
+    }
+
+
+def _window(order: list[int], step: int, size: int) -> list[int]:
+    start = (step * size) % len(order)
+    return [order[(start + i) % len(order)] for i in range(min(size, len(order)))]
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _millions(model: torch.nn.Module) -> float:
+    return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def _stats_line(stats: msgspec.Struct) -> str:
+    return ", ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(stats).items())
+
+
+class _MetricsLog:
+    """Per-step metrics as JSON lines, flushed every step so a killed run keeps its curve."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "ab")  # noqa: SIM115 - lives as long as the run
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._file.write(msgspec.json.encode(row) + b"\n")
+        self._file.flush()
