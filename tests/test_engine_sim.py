@@ -123,6 +123,26 @@ def test_batch_size_and_kv_budget_bound_admission() -> None:
     assert stats.batch_slots_used == 126 and stats.steps == 63  # 3 waves of 2 x 21 tokens
 
 
+def test_failed_step_fails_its_requests_and_the_engine_serves_on() -> None:
+    def script(prompt: list[int], params: SamplingParams) -> list[int]:
+        if prompt == [13]:
+            raise RuntimeError("scripted failure")
+        return [1, 2, 3]
+
+    async def main():
+        engine = SimEngine(script=script, eos_id=0, max_batch_size=1)
+        with pytest.raises(RuntimeError, match="scripted failure"):
+            await engine.generate([13], params())
+        after = await engine.generate([14], params(stop_token_ids=[0]))
+        await engine.wait_idle()
+        stats = engine.stats()
+        await engine.close()
+        return after, stats
+
+    after, stats = asyncio.run(main())
+    assert after.token_ids == [1, 2, 3, 0] and stats.running == stats.waiting == 0
+
+
 def test_latency_model_counts_batch_and_prefill() -> None:
     model = LatencyModel(a=0.01, b=0.001, c=0.0001)
     assert model.step_s(sequences=8, prefill_tokens=100) == pytest.approx(0.01 + 0.008 + 0.01)

@@ -294,7 +294,7 @@ class BatchingEngine(abc.ABC):
             if request in self._running:
                 self._running.remove(request)
             self._free(request)
-            if not request.future.done():
+            if not request.cancelled and not request.future.done():
                 request.future.set_exception(exc)
 
     def _finish(self, request: Request, reason: str) -> None:
