@@ -11,7 +11,6 @@ every run for leftover workers and temp dirs.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import tempfile
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from leaks import leak_checked_tempfile_root
 
 from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.base import Env, Task
@@ -152,27 +152,6 @@ class Tree:
         return child_answer(call.trajectory)
 
 
-def _descendants() -> set[int]:
-    """Live processes below this one (read from /proc; a zombie counts too)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found: set[int] = set()
-    stack = [os.getpid()]
-    while stack:
-        for pid in children.get(stack.pop(), []):
-            found.add(pid)
-            stack.append(pid)
-    return found
-
-
 def run_tree(
     script: Script,
     *,
@@ -197,7 +176,6 @@ def run_tree(
         tokenizer=TOKENIZER,
         limits=limits or AgentLimits(max_turns=4, max_depth=2, max_prompt_tokens=16384),
     )
-    before = _descendants()
 
     async def main() -> RolloutGroup:
         env = agent.env
@@ -223,16 +201,8 @@ def run_tree(
             await zygote.close()
         return RolloutGroup(task=TASK, trajectories=tree.records)
 
-    temp_root = tmp_path / "tmp"
-    temp_root.mkdir()
-    saved = tempfile.tempdir
-    tempfile.tempdir = str(temp_root)
-    try:
+    with leak_checked_tempfile_root(tmp_path):
         group = asyncio.run(main())
-    finally:
-        tempfile.tempdir = saved
-    assert _descendants() - before == set()
-    assert list(temp_root.iterdir()) == []
     check_tree(group, agent, exact_prompts=exact_prompts)
     return group, engine
 

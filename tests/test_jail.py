@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from leaks import leak_checked_temp_dir
 
 from rlmtrain import _jail
 from rlmtrain.rlm.protocol import Done, encode_frame
@@ -37,33 +38,10 @@ LIMITS = ReplLimits(
 PRELOAD = [*DEFAULT_PRELOAD, "ctypes", "subprocess", "socket", "signal", "os", "sys", "resource"]
 
 
-def descendants() -> set[int]:
-    """Processes below this one, zombies included, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, stack = set(), [os.getpid()]
-    while stack:
-        for pid in children.get(stack.pop(), []):
-            found.add(pid)
-            stack.append(pid)
-    return found
-
-
 @pytest.fixture(scope="module")
 def temp_dir():
-    before = descendants()
-    path = tempfile.mkdtemp(prefix="test-jail-")
-    yield path
-    leftover = os.listdir(path)
-    shutil.rmtree(path)
-    assert leftover == [], f"temporary directories left behind: {leftover}"
-    assert descendants() - before == set(), "worker processes outlived their zygotes"
+    with leak_checked_temp_dir(prefix="test-jail-") as path:
+        yield path
 
 
 def attack(

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
+from leaks import leak_checked_temp_dir
 
 from rlmtrain.rlm.repl import ExecResult, ReplLimits, Zygote, _uid_block_start
 
@@ -22,33 +20,10 @@ TOOLS = ["pprint", "textwrap"]
 CONTEXT = "The quick brown fox. " * 50
 
 
-def descendants() -> set[int]:
-    """Processes below this one, zombies included, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, stack = set(), [os.getpid()]
-    while stack:
-        for pid in children.get(stack.pop(), []):
-            found.add(pid)
-            stack.append(pid)
-    return found
-
-
 @pytest.fixture(scope="module")
 def temp_dir():
-    before = descendants()
-    path = tempfile.mkdtemp(prefix="test-repl-")
-    yield path
-    leftover = os.listdir(path)
-    shutil.rmtree(path)
-    assert leftover == [], f"temporary directories left behind: {leftover}"
-    assert descendants() - before == set(), "worker processes outlived their zygotes"
+    with leak_checked_temp_dir(prefix="test-repl-") as path:
+        yield path
 
 
 def run_with_zygote(body, temp_dir, *, limits=LIMITS, context=CONTEXT):

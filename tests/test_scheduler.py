@@ -10,15 +10,14 @@ process left below this one and no REPL temp dir left behind.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from leaks import descendants, leak_checked_tempfile_root
 
 from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.base import Env, Task
@@ -61,25 +60,6 @@ def reply_of(script: Script) -> Callable[[str], str]:
     return reply
 
 
-def _descendants() -> set[int]:
-    """Live processes below this one (a zombie counts too)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, stack = set(), [os.getpid()]
-    while stack:
-        for pid in children.get(stack.pop(), []):
-            found.add(pid)
-            stack.append(pid)
-    return found
-
-
 def make(script: Script, **config: Any) -> tuple[Scheduler, SimEngine]:
     engine = SimEngine(
         script=text_script(TOKENIZER, reply_of(script)),
@@ -111,9 +91,6 @@ def run(
 ) -> list[RolloutGroup]:
     """One rollout, with `during(scheduler, engine)` run beside it; then the leak checks."""
     tasks = tasks or [Task(id="t0", query="ROOT")]
-    before = _descendants()
-    temp_root = tmp_path / "tmp"
-    temp_root.mkdir()
 
     async def main() -> list[RolloutGroup]:
         rollout = asyncio.create_task(scheduler.rollout(tasks, DocEnv(), n_samples))
@@ -127,13 +104,8 @@ def run(
         await engine.close()
         return groups
 
-    saved, tempfile.tempdir = tempfile.tempdir, str(temp_root)
-    try:
+    with leak_checked_tempfile_root(tmp_path):
         groups = asyncio.run(main())
-    finally:
-        tempfile.tempdir = saved
-    assert _descendants() - before == set()
-    assert list(temp_root.iterdir()) == []
     for group in groups:
         check_links(group)
     return groups
@@ -381,7 +353,7 @@ def test_cancelled_rollout_leaves_nothing_running(tmp_path: Path) -> None:
         return code("import time", "time.sleep(30)")
 
     scheduler, engine = make(script, n_samples=1)
-    before = _descendants()
+    before = descendants()
 
     async def main() -> None:
         rollout = asyncio.create_task(scheduler.rollout([Task(id="t", query="ROOT")], DocEnv(), 3))
@@ -394,7 +366,7 @@ def test_cancelled_rollout_leaves_nothing_running(tmp_path: Path) -> None:
         await engine.close()
 
     asyncio.run(main())
-    assert _descendants() - before == set()
+    assert descendants() - before == set()
 
 
 # ---------------------------------------------------------------------------------------------
