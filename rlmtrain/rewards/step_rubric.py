@@ -25,13 +25,13 @@ judgement). When the judge cannot answer, the heuristic values are used and `met
 from __future__ import annotations
 
 import ast
-import asyncio
 from typing import Annotated, Literal
 
 import msgspec
 
 from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored
 from rlmtrain.rewards.novelty import novelty, words
+from rlmtrain.rewards.turn_judge import ask_per_turn, judge_each_trajectory, steps_messages
 from rlmtrain.rlm.records import RolloutGroup, Turn
 
 __all__ = [
@@ -200,15 +200,10 @@ class StepRubricJudge:
         heuristic = heuristic_step_scores(query, turns, self.weights)
         if not turns:
             return JudgedSteps(scores=[], method="heuristic", reason="no turns")
-        n = len(turns)
-
-        def same_length(reply: _StepRubricReply) -> None:
-            if len(reply.steps) != n:
-                raise ValueError(f"expected {n} steps, got {len(reply.steps)}")
-
-        reply = await self.client.complete_json(
-            _step_messages(query, turns), _StepRubricReply, same_length
+        messages = steps_messages(
+            STEP_RUBRIC_SYSTEM_PROMPT, query, turns, f"Rate all {len(turns)} steps."
         )
+        reply = await ask_per_turn(self.client, messages, _StepRubricReply, "steps", len(turns))
         if isinstance(reply, Unscored):
             return JudgedSteps(scores=heuristic, method="heuristic", reason=reply.reason)
         scores = [
@@ -220,20 +215,4 @@ class StepRubricJudge:
     async def score_group(self, group: RolloutGroup) -> dict[str, JudgedSteps]:
         """Scores of every trajectory of a group, concurrently; `{id: [s.total for s in
         r.scores]}` is `compute_advantages`'s `step_rewards`."""
-        trajectories = group.trajectories
-        results = await asyncio.gather(*(self.score(t.prompt, t.turns) for t in trajectories))
-        return {t.id: r for t, r in zip(trajectories, results, strict=True)}
-
-
-def _step_messages(query: str, turns: list[Turn], output_chars: int = 800) -> list[dict[str, str]]:
-    steps = []
-    for i, turn in enumerate(turns, 1):
-        text = f"Step {i}\ncode:\n{turn.code}\noutput:\n{turn.output[:output_chars]}"
-        if turn.error:
-            text += f"\nerror:\n{turn.error[:output_chars]}"
-        steps.append(text)
-    user = f"Query:\n{query}\n\n" + "\n\n".join(steps) + f"\n\nRate all {len(turns)} steps."
-    return [
-        {"role": "system", "content": STEP_RUBRIC_SYSTEM_PROMPT},
-        {"role": "user", "content": user},
-    ]
+        return await judge_each_trajectory(group, self.score)

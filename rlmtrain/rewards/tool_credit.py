@@ -5,8 +5,8 @@ The algorithm turns labels into advantages (Ã_t = A + α·|A|·(c_t − c̄), i
 this module only produces the labels, from two sources:
 
 - `ToolCreditJudge`: the judge model reads the query and each turn's code, output and error and
-  replies `{"labels": [...]}`, one of -1/0/1 per turn. A list of the wrong length is a malformed
-  reply and retried like one (a shifted label would credit the wrong turn).
+  replies `{"labels": [...]}`, one of -1/0/1 per turn (`turn_judge.ask_per_turn`: a list of the
+  wrong length is retried like a malformed reply).
 - `rule_labels`: a deterministic labeller, used when no judge is configured or the judge could
   not answer (the result says which). Per turn, first rule that applies:
     1. the turn raised an error                                   -> -1 (a wasted turn)
@@ -19,7 +19,6 @@ this module only produces the labels, from two sources:
 
 from __future__ import annotations
 
-import asyncio
 from typing import Literal
 
 import msgspec
@@ -27,6 +26,7 @@ import msgspec
 from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored
 from rlmtrain.rewards.exploration import call_key, tool_calls
 from rlmtrain.rewards.novelty import novelty
+from rlmtrain.rewards.turn_judge import ask_per_turn, judge_each_trajectory, steps_messages
 from rlmtrain.rlm.records import RolloutGroup, Turn
 
 __all__ = [
@@ -91,17 +91,9 @@ def rule_credit(group: RolloutGroup, *, novelty_threshold: float = 0.5) -> dict[
 
 
 def credit_messages(query: str, turns: list[Turn], output_chars: int = 800) -> list[dict[str, str]]:
-    steps = []
-    for i, turn in enumerate(turns, 1):
-        text = f"Step {i}\ncode:\n{turn.code}\noutput:\n{turn.output[:output_chars]}"
-        if turn.error:
-            text += f"\nerror:\n{turn.error[:output_chars]}"
-        steps.append(text)
-    user = f"Query:\n{query}\n\n" + "\n\n".join(steps) + f"\n\nGive {len(turns)} labels."
-    return [
-        {"role": "system", "content": TOOL_CREDIT_SYSTEM_PROMPT},
-        {"role": "user", "content": user},
-    ]
+    return steps_messages(
+        TOOL_CREDIT_SYSTEM_PROMPT, query, turns, f"Give {len(turns)} labels.", output_chars
+    )
 
 
 class ToolCreditJudge:
@@ -120,14 +112,8 @@ class ToolCreditJudge:
     async def label(self, query: str, turns: list[Turn]) -> CreditLabels:
         if not turns:
             return CreditLabels(labels=[], method="rules", reason="no turns")
-        n = len(turns)
-
-        def same_length(reply: CreditReply) -> None:
-            if len(reply.labels) != n:
-                raise ValueError(f"expected {n} labels, got {len(reply.labels)}")
-
-        reply = await self.client.complete_json(
-            credit_messages(query, turns), CreditReply, same_length
+        reply = await ask_per_turn(
+            self.client, credit_messages(query, turns), CreditReply, "labels", len(turns)
         )
         if isinstance(reply, Unscored):
             labels = rule_labels(turns, novelty_threshold=self.novelty_threshold)
@@ -137,6 +123,4 @@ class ToolCreditJudge:
     async def label_group(self, group: RolloutGroup) -> dict[str, CreditLabels]:
         """Labels of every trajectory of a group (roots and children, each against its own
         prompt), concurrently; `{id: r.labels}` is `compute_advantages`'s `tool_credit`."""
-        trajectories = group.trajectories
-        results = await asyncio.gather(*(self.label(t.prompt, t.turns) for t in trajectories))
-        return {t.id: r for t, r in zip(trajectories, results, strict=True)}
+        return await judge_each_trajectory(group, self.label)
