@@ -1,11 +1,11 @@
 """A scripted BookNavigator teacher: the code an expert would type, one block per turn.
 
 For SFT cold-start data (SPEC §5) a teacher must leave the same records a policy leaves, so it
-plays through the real trajectory loop and REPL: `ScriptedPolicy` is a `GenerateFn` that answers
-turn t with the t-th block of a plan, encoded by the student's tokenizer (its log-probs are 0: a
-deterministic policy). The plan never reads the REPL's output itself; what depends on the output
-is in the code (REPL variables persist between turns), which is also the habit the student should
-learn.
+plays through the real trajectory loop and REPL: `rlm.scripted.ScriptedPolicy` is a `GenerateFn`
+that answers turn t with the t-th block of a plan, encoded by the student's tokenizer (its
+log-probs are 0: a deterministic policy). The plan never reads the REPL's output itself; what
+depends on the output is in the code (REPL variables persist between turns), which is also the
+habit the student should learn.
 
 The expert reads the problem, not the hidden reference: a rule per problem family names the
 notion to look up in the index and writes the proof from the numbers in the statement, citing
@@ -29,11 +29,11 @@ from rlmtrain.rlm.agent import (
     root_trajectory,
     run_trajectory,
 )
-from rlmtrain.rlm.generation import Completion, SamplingParams
 from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rlm.repl import ReplLimits, Zygote
+from rlmtrain.rlm.scripted import ScriptedPolicy
 
-__all__ = ["ScriptedPolicy", "fenced_code", "plan", "prove", "run_scripted", "teach"]
+__all__ = ["plan", "prove", "run_scripted", "teach"]
 
 
 def _difference_of_powers(m: re.Match[str]) -> str:
@@ -133,39 +133,6 @@ def plan(problem: str) -> list[str]:
         "section = read_section(hits[0])\nprint(section)",
         f"proof = {proof!r}\nFINAL(proof)",
     ]
-
-
-def fenced_code(code: str) -> str:
-    return f"```python\n{code}\n```\n"
-
-
-class ScriptedPolicy:
-    """A `GenerateFn` playing one trajectory's plan: request t gets block t.
-
-    One instance per trajectory. Requests past the end of the plan are aborted (the trajectory
-    ends "aborted"), so a plan that failed in the REPL cannot pass for a finished one.
-    """
-
-    def __init__(self, blocks: list[str], tokenizer) -> None:
-        self.blocks = list(blocks)
-        self.tokenizer = tokenizer
-        self.requests = 0
-
-    async def __call__(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        turn = self.requests
-        self.requests += 1
-        if turn >= len(self.blocks):
-            return Completion(token_ids=[], logprobs=[], finish_reason="abort")
-        text = fenced_code(self.blocks[turn])
-        # Like an engine: generation ends on a stop string (kept in the ids, as vLLM does) or,
-        # failing one, on the end-of-turn token.
-        stops = [s for s in params.stop_strings if s in text]
-        if stops:
-            cut = min(text.index(s) + len(s) for s in stops)
-            ids = self.tokenizer.encode(text[:cut])
-        else:
-            ids = self.tokenizer.encode(text) + list(params.stop_token_ids[:1])
-        return Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")
 
 
 async def _no_children(calls: list[ChildCall]) -> list[str]:

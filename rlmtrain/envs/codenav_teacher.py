@@ -2,7 +2,7 @@
 
 The expert parses the question ("where does `A` (defined in P) call `B`?"), reads A's definition,
 lists the calls of A's body, keeps those whose callee is written `B`, and answers with the
-position: three turns through the real trajectory loop (`booknav_teacher.ScriptedPolicy` plays
+position: three turns through the real trajectory loop (`rlm.scripted.ScriptedPolicy` plays
 them). `list_calls` is the same AST index the gold answers come from, so the plan is exact
 wherever the task generator would ask; a question in any other form raises ValueError.
 """

@@ -2,7 +2,7 @@
 
 Cold-start SFT data (SPEC.md §5) must be the records a policy leaves, so the teacher plays through
 the real trajectory loop and jailed REPL: each trajectory's plan is a list of code blocks played
-by `booknav_teacher.ScriptedPolicy`, and the plan never reads REPL output itself; what depends on
+by `rlm.scripted.ScriptedPolicy`, and the plan never reads REPL output itself; what depends on
 the papers is computed by the code (REPL variables persist between turns), the habit the student
 should learn.
 
@@ -29,7 +29,6 @@ from collections.abc import Sequence
 
 import msgspec
 
-from rlmtrain.envs.booknav_teacher import ScriptedPolicy
 from rlmtrain.envs.evidence import EvidenceEnv, EvidenceTask
 from rlmtrain.rlm.agent import (
     Agent,
@@ -42,6 +41,7 @@ from rlmtrain.rlm.agent import (
 )
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 from rlmtrain.rlm.repl import ReplLimits, Zygote
+from rlmtrain.rlm.scripted import ScriptedPolicy
 
 log = logging.getLogger("rlmtrain")
 
