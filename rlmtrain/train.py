@@ -20,7 +20,7 @@ same seams and are not wired here yet; a config asking for them stops with a cle
 
 from __future__ import annotations
 
-import copy
+import importlib
 import logging
 import math
 import random
@@ -47,9 +47,10 @@ from rlmtrain.envs.base import Env, Task, get_env
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
 from rlmtrain.model import Transformer, build_model, named_hf_tensors, save_hf
 from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
-from rlmtrain.rewards.span_f1 import span_f1
+from rlmtrain.rlm.agent import AgentLimits
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
-from rlmtrain.rollout.engines.native import NativeEngine
+from rlmtrain.rollout.cli import RolloutProgress, load_tasks
+from rlmtrain.rollout.engines import build_engine
 from rlmtrain.rollout.scheduler import Scheduler
 
 log = logging.getLogger("rlmtrain.train")
@@ -74,7 +75,7 @@ def main(cfg: Config) -> int:
 
     # ---------------------------------------------------------------- data
     env = get_env(cfg.data.env, cfg)
-    tasks = _load_tasks(cfg, env, run_dir)
+    tasks = load_tasks(cfg, env)
     log.info("data: %d %s tasks", len(tasks), cfg.data.env)
 
     # ---------------------------------------------------------------- model
@@ -92,8 +93,7 @@ def main(cfg: Config) -> int:
 
     # ---------------------------------------------------------------- SFT warm-up
     if cfg.train.sft_steps:
-        teacher_groups = _teacher_groups(cfg, env, tasks, tokenizer)
-        scorer = _teacher_score(env)
+        teacher_groups, scorer = _teacher_groups(cfg, env, tasks, tokenizer)
         order = list(range(len(teacher_groups)))
         for step in range(cfg.train.sft_steps):
             began = time.perf_counter()
@@ -144,15 +144,10 @@ async def _rl(
     device: torch.device,
     metrics: _MetricsLog,
 ) -> None:
-    # The engine serves its own copy of the policy, kept in step through update_weights exactly
-    # as a separate inference engine would be; on a CPU the copy costs only the parameters.
-    engine = NativeEngine(
-        copy.deepcopy(model).eval(),
-        max_batch_size=cfg.rollout.max_batch_size,
-        kv_cache_tokens=cfg.rollout.kv_cache_tokens,
-        decode=tokenizer.decode,
-        seed=cfg.train.seed,
-    )
+    # The engine serves its own copy of the policy, kept in step through update_weights by HF
+    # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
+    engine = build_engine(cfg, tokenizer)
+    await engine.update_weights(named_hf_tensors(model))
     scheduler = Scheduler(engine, tokenizer, cfg.rollout)
     order = list(range(len(tasks)))
     try:
@@ -161,7 +156,12 @@ async def _rl(
             if step % max(1, len(order) // cfg.train.tasks_per_step) == 0:
                 random.shuffle(order)
             batch = [tasks[i] for i in _window(order, step, cfg.train.tasks_per_step)]
-            groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples)
+            progress = RolloutProgress(len(batch) * cfg.rollout.n_samples, engine)
+            scheduler.on_tree_done = progress.tree_done
+            try:
+                groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples)
+            finally:
+                progress.close()
             rewards = [
                 (await env.reward(task, group)).scores
                 for task, group in zip(batch, groups, strict=True)
@@ -332,63 +332,34 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _load_tasks(cfg: Config, env: Env, run_dir: Path) -> list[Task]:
-    path = Path(cfg.data.train_path) if cfg.data.train_path else None
-    if path is None:
-        if cfg.data.env != "evidence":
-            raise ConfigError(f"data.train_path: required for env '{cfg.data.env}'")
-        from rlmtrain.envs.synth import synthesize
-
-        out = run_dir / "data"
-        path = out / "tasks.jsonl"
-        if not path.is_file():
-            summary = synthesize(
-                out, groups=cfg.data.synth_groups, seed=cfg.data.seed, progress=True
-            )
-            log.info(
-                "data: synthesised %d papers, %d tasks in %.1f s",
-                summary.papers,
-                summary.tasks,
-                summary.seconds,
-            )
-    if not path.is_file():
-        raise ConfigError(f"data.train_path: {path} not found")
-    tasks = env.load_tasks(path)
-    if not tasks:
-        raise ConfigError(f"data.train_path: {path} holds no tasks")
-    return tasks
-
-
 def _teacher_groups(
     cfg: Config, env: Env, tasks: list[Task], tokenizer: Tokenizer
-) -> list[RolloutGroup]:
-    import importlib
-
-    from rlmtrain.rlm.agent import AgentLimits
-
+) -> tuple[list[RolloutGroup], Callable[[Trajectory, Any], float]]:
+    """The teacher's trees for every task, and the SFT filter's score: the env's own reward of
+    each root (span F1 for evidence without a judge), unscored counted as 0."""
     teacher = importlib.import_module(_TEACHERS[cfg.data.env])
     began = time.perf_counter()
-    groups = uvloop.run(
-        teacher.teach(env, tasks, tokenizer, limits=AgentLimits.from_config(cfg.rollout))
-    )
+
+    async def play() -> tuple[list[RolloutGroup], dict[str, float]]:
+        limits = AgentLimits.from_config(cfg.rollout)
+        groups = await teacher.teach(env, tasks, tokenizer, limits=limits)
+        scores: dict[str, float] = {}
+        for task, group in zip(tasks, groups, strict=True):
+            result = await env.reward(task, group)
+            for root, value in zip(group.roots, result.scores, strict=True):
+                scores[root.id] = 0.0 if value is None else value
+        return groups, scores
+
+    groups, scores = uvloop.run(play())
     turns = sum(len(t.turns) for g in groups for t in g.trajectories)
     log.info(
-        "sft: teacher played %d tasks (%d turns) in %.1f s",
+        "sft: teacher played %d tasks (%d turns, mean score %.3f) in %.1f s",
         len(groups),
         turns,
+        _mean(scores.values()),
         time.perf_counter() - began,
     )
-    return groups
-
-
-def _teacher_score(env: Env) -> Callable[[Trajectory, Any], float]:
-    def score(root: Trajectory, task: Any) -> float:
-        truth = getattr(task, "evidence", None)
-        if truth is not None:
-            return 0.0 if root.answer is None else span_f1(root.answer, [s.text for s in truth])
-        return 1.0 if root.finish_reason == "final" else 0.0
-
-    return score
+    return groups, lambda root, task: scores[root.id]
 
 
 def _rollout_row(scheduler: Scheduler) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from rlmtrain.config import Config, ConfigError, load_config
 from rlmtrain.devices import BackendUnavailable
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, write_groups
 
-__all__ = ["cli", "load_tasks"]
+__all__ = ["RolloutProgress", "cli", "load_tasks"]
 
 
 def load_tasks(config: Config, env: Any) -> list[Any]:
@@ -41,7 +41,7 @@ def load_tasks(config: Config, env: Any) -> list[Any]:
     return env.load_tasks(path)
 
 
-class _Progress:
+class RolloutProgress:
     """A tqdm bar over trees; its postfix reads the engine's counters."""
 
     def __init__(self, total: int, engine: Any) -> None:
@@ -72,7 +72,7 @@ async def _rollout(config: Config, tasks: list[Any], env: Any, out: Path) -> str
     tokenizer = load_tokenizer(config.model.tokenizer, config.model.hf_dir)
     engine = build_engine(config, tokenizer)
     scheduler = Scheduler(engine, tokenizer, config.rollout)
-    progress = _Progress(len(tasks) * config.rollout.n_samples, engine)
+    progress = RolloutProgress(len(tasks) * config.rollout.n_samples, engine)
     scheduler.on_tree_done = progress.tree_done
     try:
         groups = await scheduler.rollout(tasks, env, config.rollout.n_samples)
