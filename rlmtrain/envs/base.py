@@ -70,7 +70,7 @@ class Env:
     task_type: ClassVar[type[Task]] = Task
 
     def system_prompt(self) -> str:
-        """Task strategy plus the documentation of the tools and builtins."""
+        """The task strategy only; the runtime appends the tool and builtin docs (rlm/prompts)."""
         raise NotImplementedError(f"{type(self).__name__}.system_prompt")
 
     def user_prompt(self, task: Task, turn: int, max_turns: int) -> str:
@@ -79,7 +79,7 @@ class Env:
         return (
             f"Query: {task.query}\n\n"
             f"This is turn {turn + 1} of {max_turns} ({left} left, this one included). "
-            "Answer with one ```python``` code block; end with FINAL(answer) or FINAL_VAR(name)."
+            "Answer with one ```python block; end with FINAL(answer) or FINAL_VAR(name)."
         )
 
     def context(self, task: Task) -> Any:
