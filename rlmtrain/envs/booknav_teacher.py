@@ -22,16 +22,14 @@ from typing import Any
 
 from rlmtrain.envs.base import Env, Task
 from rlmtrain.rlm.agent import (
-    Agent,
     AgentLimits,
     ChatTokenizer,
     ChildCall,
     root_trajectory,
-    run_trajectory,
 )
 from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rlm.repl import ReplLimits, Zygote
-from rlmtrain.rlm.scripted import ScriptedPolicy
+from rlmtrain.rlm.scripted import play_plan
 
 __all__ = ["plan", "prove", "run_scripted", "teach"]
 
@@ -165,20 +163,17 @@ async def run_scripted(
         )
         try:
             for task in members:
-                agent = Agent(
+                root = root_trajectory(task.id, 0, task.query)
+                await play_plan(
+                    plan_of(task.query),
+                    root,
                     env=env,
-                    generate=ScriptedPolicy(plan_of(task.query), tokenizer),
                     tokenizer=tokenizer,
                     limits=limits,
+                    zygote=zygote,
+                    task=task,
+                    spawn=_no_children,
                 )
-                root = root_trajectory(task.id, 0, task.query)
-                session = await zygote.session()
-                try:
-                    await run_trajectory(
-                        agent, root, task=task, session=session, spawn=_no_children
-                    )
-                finally:
-                    await session.close()
                 groups[task.id] = RolloutGroup(task=task, trajectories=[root])
         finally:
             await zygote.close()

@@ -26,22 +26,21 @@ import logging
 import re
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
 from rlmtrain.envs.evidence import EvidenceEnv, EvidenceTask
 from rlmtrain.rlm.agent import (
-    Agent,
     AgentLimits,
     ChatTokenizer,
     ChildCall,
     child_answer,
     root_trajectory,
-    run_trajectory,
 )
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 from rlmtrain.rlm.repl import ReplLimits, Zygote
-from rlmtrain.rlm.scripted import ScriptedPolicy
+from rlmtrain.rlm.scripted import play_plan
 
 log = logging.getLogger("rlmtrain")
 
@@ -227,46 +226,32 @@ async def _teach_one(
     )
     trajectories: list[Trajectory] = []
 
+    async def play(blocks: list[str], trajectory: Trajectory, context: Any = None) -> None:
+        await play_plan(
+            blocks,
+            trajectory,
+            env=env,
+            tokenizer=tokenizer,
+            limits=limits,
+            zygote=zygote,
+            task=task,
+            spawn=spawn,
+            context=context,
+        )
+
     async def run_child(call: ChildCall) -> str:
         trajectories.append(call.trajectory)
         if not call.with_repl:
             return "[evidence teacher: children run with a REPL; raise max_depth]"
-        agent = Agent(
-            env=env,
-            generate=ScriptedPolicy(child_plan(call.trajectory.prompt), tokenizer),
-            tokenizer=tokenizer,
-            limits=limits,
-        )
-        session = await zygote.session(context=call.context)
-        try:
-            await run_trajectory(
-                agent,
-                call.trajectory,
-                task=task,
-                session=session,
-                spawn=spawn,
-                context=call.context,
-            )
-        finally:
-            await session.close()
+        await play(child_plan(call.trajectory.prompt), call.trajectory, call.context)
         return child_answer(call.trajectory)
 
     async def spawn(calls: list[ChildCall]) -> list[str]:
         return list(await asyncio.gather(*(run_child(call) for call in calls)))
 
     root = root_trajectory(task.id, 0, task.query)
-    agent = Agent(
-        env=env,
-        generate=ScriptedPolicy(root_plan(task), tokenizer),
-        tokenizer=tokenizer,
-        limits=limits,
-    )
     try:
-        session = await zygote.session()
-        try:
-            await run_trajectory(agent, root, task=task, session=session, spawn=spawn)
-        finally:
-            await session.close()
+        await play(root_plan(task), root)
     finally:
         await zygote.close()
     return RolloutGroup(task=task, trajectories=[root, *trajectories])

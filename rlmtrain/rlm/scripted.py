@@ -3,14 +3,21 @@
 Teachers (`envs.booknav_teacher`, `envs.codenav_teacher`, `envs.evidence_teacher`) must leave
 the same records a policy leaves, so they play through the real trajectory loop and REPL with
 this in place of an engine: turn t gets the t-th block of the plan, fenced and encoded by the
-student's tokenizer, with log-probs 0 (a deterministic policy).
+student's tokenizer, with log-probs 0 (a deterministic policy). `play_plan` runs one trajectory
+that way in a fresh session of a zygote.
 """
 
 from __future__ import annotations
 
-from rlmtrain.rlm.generation import Completion, SamplingParams
+from typing import Any
 
-__all__ = ["ScriptedPolicy", "fenced_code"]
+from rlmtrain.rlm.agent import Agent, AgentLimits, ChatTokenizer, SpawnFn, run_trajectory
+from rlmtrain.rlm.generation import Completion, SamplingParams
+from rlmtrain.rlm.prompts import RLMEnv
+from rlmtrain.rlm.records import Trajectory
+from rlmtrain.rlm.repl import Zygote
+
+__all__ = ["ScriptedPolicy", "fenced_code", "play_plan"]
 
 
 def fenced_code(code: str) -> str:
@@ -44,3 +51,29 @@ class ScriptedPolicy:
         else:
             ids = self.tokenizer.encode(text) + list(params.stop_token_ids[:1])
         return Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")
+
+
+async def play_plan(
+    blocks: list[str],
+    trajectory: Trajectory,
+    *,
+    env: RLMEnv,
+    tokenizer: ChatTokenizer,
+    limits: AgentLimits,
+    zygote: Zygote,
+    task: Any,
+    spawn: SpawnFn,
+    context: Any | None = None,
+) -> None:
+    """Plays `blocks` as `trajectory` (filled in place) through `run_trajectory`, in a session of
+    `zygote` forked with `context` (None = the zygote's) and closed afterwards."""
+    agent = Agent(
+        env=env, generate=ScriptedPolicy(blocks, tokenizer), tokenizer=tokenizer, limits=limits
+    )
+    session = await zygote.session(context=context)
+    try:
+        await run_trajectory(
+            agent, trajectory, task=task, session=session, spawn=spawn, context=context
+        )
+    finally:
+        await session.close()
