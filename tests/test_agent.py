@@ -11,18 +11,17 @@ every run for leftover workers and temp dirs.
 from __future__ import annotations
 
 import asyncio
-import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 from leaks import leak_checked_tempfile_root
+from scripted_model import DocEnv, code, script_reply
 
 from rlmtrain.config import RolloutConfig
-from rlmtrain.envs.base import Env, Task
+from rlmtrain.envs.base import Task
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rlm.agent import (
     Agent,
@@ -52,23 +51,6 @@ Script = Callable[[str, int], str | None]
 ABORT = "<the engine aborts this request>"
 
 
-class DocEnv(Env):
-    """A task context of one short document; the standard library's textwrap as the tools."""
-
-    def system_prompt(self) -> str:
-        return "Strategy: look at the document, then answer."
-
-    def context(self, task: Task) -> Any:
-        return {"doc": "the quick brown fox"}
-
-    def tool_modules(self) -> list[str]:
-        return ["textwrap"]
-
-
-def code(*lines: str) -> str:
-    return "```python\n" + "\n".join(lines) + "\n```\n"
-
-
 class ScriptedEngine:
     """A deterministic `GenerateFn`: reads the query and turn from the prompt, replies by script."""
 
@@ -79,13 +61,7 @@ class ScriptedEngine:
     async def __call__(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         self.requests.append((prompt_ids, params))
         await asyncio.sleep(0)
-        text = TOKENIZER.decode(prompt_ids)
-        if PLAIN_CALL_SYSTEM in text:
-            question = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
-            reply = self.script(question, -1)
-        else:
-            query, turn = re.findall(r"Query: (.*?)\n\nThis is turn (\d+) of", text, re.S)[-1]
-            reply = self.script(query, int(turn) - 1)
+        reply = script_reply(self.script, TOKENIZER.decode(prompt_ids))
         if reply is None:  # the engine never answers: only cancellation ends this request
             await asyncio.Event().wait()
         if reply == ABORT:

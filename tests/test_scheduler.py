@@ -10,7 +10,6 @@ process left below this one and no REPL temp dir left behind.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,11 @@ from typing import Any
 import msgspec
 import pytest
 from leaks import descendants, leak_checked_tempfile_root
+from scripted_model import DocEnv, code, script_reply
 
 from rlmtrain.config import RolloutConfig
-from rlmtrain.envs.base import Env, Task
+from rlmtrain.envs.base import Task
 from rlmtrain.model.tokenizer import ByteTokenizer
-from rlmtrain.rlm.prompts import PLAIN_CALL_SYSTEM
 from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rollout.engines.sim import LatencyModel, SimEngine, text_script
 from rlmtrain.rollout.scheduler import Scheduler
@@ -33,28 +32,9 @@ Script = Callable[[str, int], str]
 NEVER = "<generate until max_new_tokens>"
 
 
-class DocEnv(Env):
-    def system_prompt(self) -> str:
-        return "Strategy: look at the document, then answer."
-
-    def context(self, task: Task) -> Any:
-        return {"doc": "the quick brown fox"}
-
-    def tool_modules(self) -> list[str]:
-        return ["textwrap"]
-
-
-def code(*lines: str) -> str:
-    return "```python\n" + "\n".join(lines) + "\n```\n"
-
-
 def reply_of(script: Script) -> Callable[[str], str]:
     def reply(prompt: str) -> str:
-        if PLAIN_CALL_SYSTEM in prompt:
-            question = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
-            return script(question, -1)
-        query, turn = re.findall(r"Query: (.*?)\n\nThis is turn (\d+) of", prompt, re.S)[-1]
-        text = script(query, int(turn) - 1)
+        text = script_reply(script, prompt)
         return "x" * 100_000 if text == NEVER else text
 
     return reply
