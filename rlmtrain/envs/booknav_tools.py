@@ -1,12 +1,12 @@
 """BookNavigator's REPL tools (SPEC §2, seed 002): a table of contents, an index, and sections.
 
-Standard library only: every REPL zygote imports this module. The book is the REPL's `context`,
-a dict {"title": str, "sections": [{"id", "title", "text"}, ...]} in reading order. The tools
-find it as the global `context` of the code that calls them (the REPL namespace), so the model
-writes `read_section("2.1")` as the task describes, not `read_section(context, "2.1")`; passing
-`book=` explicitly works too (tests, teachers, helper functions). The docstrings are what the
-model reads; input mistakes raise errors naming the tool and the bad argument, which the REPL
-shows to the model so it can fix the call.
+Standard library only (with `repl_context`): every REPL zygote imports this module. The book
+is the REPL's `context`, a dict {"title": str, "sections": [{"id", "title", "text"}, ...]} in
+reading order. The tools find it as the global `context` of the code that calls them (the REPL
+namespace), so the model writes `read_section("2.1")` as the task describes, not
+`read_section(context, "2.1")`; passing `book=` explicitly works too (tests, teachers, helper
+functions). The docstrings are what the model reads; input mistakes raise errors naming the tool
+and the bad argument, which the REPL shows to the model so it can fix the call.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 import sys
 from typing import Any
+
+from rlmtrain.envs.repl_context import caller_context
 
 __all__ = ["TOOLS", "get_toc", "read_section", "search_index"]
 
@@ -25,12 +27,7 @@ MAX_INDEX_HITS = 20
 
 def _book(book: Any, tool: str) -> dict[str, Any]:
     if book is None:
-        frame = sys._getframe(2)
-        while frame is not None and "context" not in frame.f_globals:
-            frame = frame.f_back
-        if frame is None:
-            raise NameError(f"{tool}: no `context` in the REPL and no book= was given")
-        book = frame.f_globals["context"]
+        book = caller_context(sys._getframe(2), tool, "book")
     if not isinstance(book, dict) or not isinstance(book.get("sections"), list):
         raise TypeError(
             f"{tool}: expected the book dict {{'title', 'sections': [...]}}, "

@@ -1,8 +1,8 @@
 """Code navigation REPL tools (SPEC §2, seed 001): search, jump to a definition, list calls.
 
-Standard library only: every REPL zygote imports this module. The code base is the REPL's
-`context`, one string in which every source line carries its position and every definition is
-announced (`render_codebase` writes it):
+Standard library only (with `repl_context`): every REPL zygote imports this module. The code
+base is the REPL's `context`, one string in which every source line carries its position and
+every definition is announced (`render_codebase` writes it):
 
     === file pkg/util.py ===
     === def Parser.parse @ pkg/util.py:12 ===
@@ -25,6 +25,8 @@ import ast
 import sys
 from collections.abc import Iterable
 from typing import Any
+
+from rlmtrain.envs.repl_context import caller_context
 
 __all__ = [
     "TOOLS",
@@ -135,13 +137,7 @@ _indexes: dict[int, tuple[str, CodeIndex]] = {}
 
 def _index(code: Any, tool: str) -> CodeIndex:
     if code is None:
-        # The REPL namespace is the nearest caller frame whose globals hold `context`.
-        frame = sys._getframe(2)
-        while frame is not None and "context" not in frame.f_globals:
-            frame = frame.f_back
-        if frame is None:
-            raise NameError(f"{tool}: no `context` in the REPL and no code= was given")
-        code = frame.f_globals["context"]
+        code = caller_context(sys._getframe(2), tool, "code")
     if not isinstance(code, str):
         raise TypeError(f"{tool}: expected the code base string, got {type(code).__name__}")
     cached = _indexes.get(id(code))
