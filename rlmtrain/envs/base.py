@@ -36,6 +36,7 @@ __all__ = [
     "available_envs",
     "get_env",
     "read_tasks",
+    "read_tasks_beside",
     "register_env",
     "root_answers",
     "write_tasks",
@@ -139,6 +140,19 @@ def read_tasks(path: str | Path, task_type: type[T]) -> Iterator[T]:
                 raise TaskFormatError(f"{path}:{lineno}: {_name_field(str(exc))}") from None
             except msgspec.DecodeError as exc:
                 raise TaskFormatError(f"{path}:{lineno}: not valid JSON: {exc}") from None
+
+
+def read_tasks_beside(path: str | Path, task_type: type[T], path_field: str) -> list[T]:
+    """All tasks of a JSONL file, each task's `path_field` (a file or folder it names) taken
+    relative to the task file's folder unless absolute, so a data set can move as one folder."""
+    base = Path(path).parent
+    tasks = []
+    for task in read_tasks(path, task_type):
+        named = getattr(task, path_field)
+        if not Path(named).is_absolute():
+            task = msgspec.structs.replace(task, **{path_field: str(base / named)})
+        tasks.append(task)
+    return tasks
 
 
 def _name_field(message: str) -> str:

@@ -29,7 +29,7 @@ from rlmtrain.envs.base import (
     Env,
     RewardResult,
     Task,
-    read_tasks,
+    read_tasks_beside,
     register_env,
     root_answers,
     write_tasks,
@@ -120,13 +120,7 @@ class BookNavEnv(Env):
         return ["rlmtrain.envs.booknav_tools"]
 
     def load_tasks(self, path: str | Path) -> list[BookTask]:
-        base = Path(path).parent
-        tasks = []
-        for task in read_tasks(path, BookTask):
-            if not Path(task.book).is_absolute():
-                task = msgspec.structs.replace(task, book=str(base / task.book))
-            tasks.append(task)
-        return tasks
+        return read_tasks_beside(path, BookTask, "book")
 
     async def reward(self, task: BookTask, group: RolloutGroup) -> RewardResult:
         verdicts = await asyncio.gather(

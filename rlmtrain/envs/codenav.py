@@ -18,10 +18,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from rlmtrain.config import Config
-from rlmtrain.envs.base import Env, RewardResult, Task, read_tasks, register_env, root_answers
+from rlmtrain.envs.base import (
+    Env,
+    RewardResult,
+    Task,
+    read_tasks_beside,
+    register_env,
+    root_answers,
+)
 from rlmtrain.envs.codenav_tools import CodeIndex, render_codebase
 from rlmtrain.rlm.records import RolloutGroup
 
@@ -158,13 +163,7 @@ class CodeNavEnv(Env):
         return ["rlmtrain.envs.codenav_tools"]
 
     def load_tasks(self, path: str | Path) -> list[CodeTask]:
-        base = Path(path).parent
-        tasks = []
-        for task in read_tasks(path, CodeTask):
-            if not Path(task.codebase).is_absolute():
-                task = msgspec.structs.replace(task, codebase=str(base / task.codebase))
-            tasks.append(task)
-        return tasks
+        return read_tasks_beside(path, CodeTask, "codebase")
 
     async def reward(self, task: CodeTask, group: RolloutGroup) -> RewardResult:
         scores: list[float | None] = []
