@@ -22,17 +22,29 @@ Triton on CUDA and torch elsewhere. All ops are torch.library custom ops, so tor
 callers without graph breaks.
 """
 
-from ._backend import KernelBackendUnavailable
-from .fused_grpo import fused_linear_grpo_loss
-from .fused_nll import fused_linear_nll
-from .grpo_loss import GRPOMetrics, grpo_loss
-from .logprob import fused_linear_logprob
+if __name__ != "rlmtrain.kernels":
+    # Installed as `rlmtrain.kernels`, this directory is also importable as a top-level `kernels`
+    # wherever the repository root is on sys.path (`python -m ...` from it) -- and `kernels` is
+    # the import name of Hugging Face's kernel hub, which `transformers` probes by importing it. A
+    # second copy would re-run the `torch.library.custom_op` registrations; torch replaces an op by
+    # destroying its first registration, so `rlmtrain.kernels` would go on dispatching through
+    # freed dispatcher entries (vector::reserve, bad_alloc or a segfault). Alias the one copy.
+    import importlib
+    import sys
 
-__all__ = [
-    "GRPOMetrics",
-    "KernelBackendUnavailable",
-    "fused_linear_grpo_loss",
-    "fused_linear_logprob",
-    "fused_linear_nll",
-    "grpo_loss",
-]
+    sys.modules[__name__] = importlib.import_module("rlmtrain.kernels")
+else:
+    from ._backend import KernelBackendUnavailable
+    from .fused_grpo import fused_linear_grpo_loss
+    from .fused_nll import fused_linear_nll
+    from .grpo_loss import GRPOMetrics, grpo_loss
+    from .logprob import fused_linear_logprob
+
+    __all__ = [
+        "GRPOMetrics",
+        "KernelBackendUnavailable",
+        "fused_linear_grpo_loss",
+        "fused_linear_logprob",
+        "fused_linear_nll",
+        "grpo_loss",
+    ]
