@@ -21,8 +21,19 @@ def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from rlmtrain import train
+    from rlmtrain.devices import BackendUnavailable
+    from rlmtrain.envs.base import TaskFormatError
+    from rlmtrain.model import CheckpointError
+    from rlmtrain.model.tokenizer import TokenizerError
 
-    return train.main(load_config(args.config, overrides))
+    config = load_config(args.config, overrides)
+    try:
+        return train.main(config)
+    except (TaskFormatError, CheckpointError, TokenizerError, BackendUnavailable) as exc:
+        # Bad input found once the run has started (a task file, a checkpoint, a tokenizer
+        # folder, a missing backend): the message names it; a traceback would bury it.
+        print(f"rlmtrain: error: {exc}", file=sys.stderr)
+        return 2
 
 
 # Commands whose arguments belong to the module that implements them: words -> (module, help).

@@ -92,3 +92,12 @@ def test_missing_task_file_is_a_one_line_error(tmp_path):
     assert result.returncode == 2
     assert "data.train_path" in result.stderr and "none.jsonl" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_malformed_task_line_is_a_one_line_error(tmp_path, codenav_tasks):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(codenav_tasks.read_text() + '{"id": "x", "query": 3}\n')
+    result = run_train("--data.env=codenav", f"--data.train_path={bad}", "--train.sft_steps=0")
+    assert result.returncode == 2
+    assert "bad.jsonl" in result.stderr and ":2" in result.stderr
+    assert "Traceback" not in result.stderr
