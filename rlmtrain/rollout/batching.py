@@ -48,6 +48,7 @@ class Request:
 
     __slots__ = (
         "cancelled",
+        "finished",
         "future",
         "logprobs",
         "params",
@@ -77,8 +78,17 @@ class Request:
         self.reserved_tokens = 0
         """KV-cache tokens held back for this sequence's worst case while it runs."""
         self.cancelled = False
+        self.finished: str | None = None
+        """The finish reason once the last appended token ended the sequence."""
         self.state: Any = None
         """Engine-specific per-sequence data (sampling generator, scripted tokens)."""
+
+    def append(self, token: int, logprob: float) -> None:
+        """Record a sampled token and check the stop conditions at once, inside the engine's
+        step, so that the per-token check overlaps the step's device work."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.finished = self.stop(self.token_ids)
 
 
 class BatchingEngine(abc.ABC):
@@ -277,12 +287,11 @@ class BatchingEngine(abc.ABC):
             if request.cancelled:
                 self._free(request)
                 continue
-            reason = request.stop(request.token_ids)
-            if reason is None:
+            if request.finished is None:
                 still.append(request)
             else:
                 self._free(request)
-                self._finish(request, reason)
+                self._finish(request, request.finished)
         self._running = still
 
     def _free(self, request: Request) -> None:

@@ -115,8 +115,7 @@ class NativeEngine(BatchingEngine):
         logprobs = torch.log_softmax(logits / temperatures[:, None], dim=-1)
         for row, request in enumerate(requests):
             token = _sample(logprobs[row], request.params, request.state)
-            request.token_ids.append(token)
-            request.logprobs.append(float(logprobs[row, token]))
+            request.append(token, float(logprobs[row, token]))
 
     def _release(self, request: Request) -> None:
         # Runs on the event loop between steps, never while a step thread uses the cache.

@@ -140,8 +140,7 @@ class SimEngine(BatchingEngine):
             position = len(request.token_ids)
             planned: list[int] = request.state
             token = planned[position] if position < len(planned) else self.eos_id
-            request.token_ids.append(token)
-            request.logprobs.append(_logprob(token, position))
+            request.append(token, _logprob(token, position))
         # The bookkeeping above overlaps the modelled step, as a GPU engine's CPU work overlaps
         # its kernels: a step lasts step_s, not step_s plus Python time (unless Python is slower).
         await asyncio.sleep(max(done_at - time.perf_counter(), 0.0))
