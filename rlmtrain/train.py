@@ -20,6 +20,7 @@ same seams and are not wired here yet; a config asking for them stops with a cle
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import math
@@ -47,6 +48,13 @@ from rlmtrain.envs.base import Env, Task, get_env
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
 from rlmtrain.model import Transformer, build_model, named_hf_tensors, save_hf
 from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
+from rlmtrain.rewards.exploration import (
+    beta_schedule,
+    diversity_bonus,
+    explored_reward,
+    tree_turns,
+)
+from rlmtrain.rewards.tool_credit import rule_credit
 from rlmtrain.rlm.agent import AgentLimits
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 from rlmtrain.rollout.cli import RolloutProgress, load_tasks
@@ -110,6 +118,7 @@ def main(cfg: Config) -> int:
             row = _sft_step(model, optimizer, batches, cfg, device)
             row.update(phase="sft", step=step, seconds=time.perf_counter() - began)
             metrics.write(row)
+            _maybe_save(model, cfg, "sft", step)
             if step % cfg.logging.every == 0 or step == cfg.train.sft_steps - 1:
                 log.info(
                     "sft %3d  nll %.4f  entropy %.3f  tokens %d  %.0f tok/s",
@@ -149,6 +158,8 @@ async def _rl(
     engine = build_engine(cfg, tokenizer)
     await engine.update_weights(named_hf_tensors(model))
     scheduler = Scheduler(engine, tokenizer, cfg.rollout)
+    # The k3 KL anchors the policy to where RL started (after SFT): a frozen copy of it.
+    reference = _frozen_copy(model) if cfg.algo.kl_beta > 0 else None
     order = list(range(len(tasks)))
     try:
         for step in range(cfg.train.steps):
@@ -162,15 +173,19 @@ async def _rl(
                 groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples)
             finally:
                 progress.close()
-            rewards = [
+            scores = [
                 (await env.reward(task, group)).scores
                 for task, group in zip(batch, groups, strict=True)
             ]
-            advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo)
+            rewards = _with_exploration_bonus(groups, scores, cfg, step)
+            credit = _tool_credit(groups) if cfg.algo.tool_credit_alpha > 0 else None
+            advantages, adv_stats = compute_advantages(
+                groups, rewards, cfg.algo, tool_credit=credit
+            )
             row: dict[str, Any] = {
                 "phase": "rl",
                 "step": step,
-                "reward_mean": _mean(r for rs in rewards for r in rs if r is not None),
+                "reward_mean": _mean(r for rs in scores for r in rs if r is not None),
                 "groups_kept": len(advantages),
                 "groups_dropped_uniform": adv_stats.groups_dropped_uniform,
                 "roots_unscored": adv_stats.roots_unscored,
@@ -183,8 +198,9 @@ async def _rl(
                 batches = pack(
                     samples, cfg.algo.micro_batch_tokens, truncate=cfg.algo.truncate_long_samples
                 )
-                row.update(_grpo_step(model, optimizer, batches, cfg, device))
+                row.update(_grpo_step(model, optimizer, batches, cfg, device, reference))
                 await engine.update_weights(named_hf_tensors(model))
+            _maybe_save(model, cfg, "rl", step)
             row["seconds"] = time.perf_counter() - began
             metrics.write(row)
             if step % cfg.logging.every == 0 or step == cfg.train.steps - 1:
@@ -247,25 +263,25 @@ def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> 
     }
 
 
-def _grpo_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> dict[str, Any]:
-    """One clipped-GRPO step. pi_old is the policy before this step (one update per rollout),
-    computed in a no-grad pass; the engine's log-probs enter through truncated IS."""
-    model.eval()
+def _grpo_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    batches: PackedBatches,
+    cfg: Config,
+    device: torch.device,
+    reference: Transformer | None = None,
+) -> dict[str, Any]:
+    """One clipped-GRPO step over every micro-batch. pi_old is the policy before this step (one
+    update per rollout) and pi_ref the frozen `reference`, both from no-grad passes; the engine's
+    log-probs enter through truncated IS."""
     micro = [mb.to(device) for mb in batches.micro_batches() if mb.num_tokens]
-    with torch.no_grad():
-        old = [
-            fused_linear_logprob(
-                model(mb.input_ids, mb.position_ids, mb.cu_seqlens),
-                model.lm_head_weight,
-                mb.targets,
-                impl=cfg.train.loss_impl,
-            )
-            for mb in micro
-        ]
+    old = [_logprobs(model, mb, cfg) for mb in micro]
+    ref = [_logprobs(reference, mb, cfg) if reference is not None else None for mb in micro]
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    total, clip_low, clip_high, mismatch = 0.0, 0.0, 0.0, 0.0
-    for mb, old_logp in zip(micro, old, strict=True):
+    sums = dict.fromkeys(("loss", "clip_frac_low", "clip_frac_high", "kl_mean"), 0.0)
+    mismatch = 0.0
+    for mb, old_logp, ref_logp in zip(micro, old, ref, strict=True):
         hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
         loss, m = fused_linear_grpo_loss(
             hidden,
@@ -274,6 +290,8 @@ def _grpo_step(model, optimizer, batches: PackedBatches, cfg: Config, device) ->
             old_logp,
             mb.advantages,
             mb.weights,
+            ref_logp=ref_logp,
+            beta=cfg.algo.kl_beta,
             clip_low=cfg.algo.clip_low,
             clip_high=cfg.algo.clip_high,
             dual_clip=cfg.algo.dual_clip or None,
@@ -283,22 +301,66 @@ def _grpo_step(model, optimizer, batches: PackedBatches, cfg: Config, device) ->
         )
         loss.backward()
         share = mb.num_tokens / batches.stats.tokens
-        total += loss.item()
-        clip_low += float(m.clip_low_frac) * share
-        clip_high += float(m.clip_high_frac) * share
+        sums["loss"] += loss.item()
+        sums["clip_frac_low"] += float(m.clip_low_frac) * share
+        sums["clip_frac_high"] += float(m.clip_high_frac) * share
+        sums["kl_mean"] += float(m.kl_mean) * share
         trained = mb.targets != -100
-        mismatch = max(
-            mismatch, float((old_logp - mb.sampler_logp)[trained].abs().max(initial=0.0))
-        )
-    grad_norm = _clip_and_step(model, optimizer, cfg)
+        if trained.any():
+            gap = (old_logp - mb.sampler_logp)[trained].abs().max()
+            mismatch = max(mismatch, float(gap))
     return {
-        "loss": total,
-        "clip_frac_low": clip_low,
-        "clip_frac_high": clip_high,
+        **sums,
         "engine_logp_max_abs_diff": mismatch,
         "tokens": batches.stats.tokens,
-        "grad_norm": grad_norm,
+        "grad_norm": _clip_and_step(model, optimizer, cfg),
     }
+
+
+@torch.no_grad()
+def _logprobs(model: Transformer, mb: MicroBatch, cfg: Config) -> torch.Tensor:
+    model.eval()
+    hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+    return fused_linear_logprob(hidden, model.lm_head_weight, mb.targets, impl=cfg.train.loss_impl)
+
+
+def _frozen_copy(model: Transformer) -> Transformer:
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def _with_exploration_bonus(
+    groups: list[RolloutGroup], scores: list[list[float | None]], cfg: Config, step: int
+) -> list[list[float | None]]:
+    """R_n = r + beta_n * b * 1[r = 1] (SPEC.md §3), b the tree's tool diversity, beta_n the
+    cosine schedule over the RL steps; the scores unchanged when the bonus is off."""
+    if cfg.algo.exploration_beta <= 0:
+        return scores
+    beta = beta_schedule(step, cfg.train.steps, cfg.algo.exploration_beta)
+    return [
+        [
+            explored_reward(r, diversity_bonus(tree_turns(group, root)), beta)
+            for r, root in zip(rs, group.roots, strict=True)
+        ]
+        for group, rs in zip(groups, scores, strict=True)
+    ]
+
+
+def _tool_credit(groups: list[RolloutGroup]) -> dict[str, list[int]]:
+    """Per-turn useful/neutral/harmful labels by the rule-based labeller, every trajectory."""
+    labels: dict[str, list[int]] = {}
+    for group in groups:
+        labels.update(rule_credit(group))
+    return labels
+
+
+def _maybe_save(model: Transformer, cfg: Config, phase: str, step: int) -> None:
+    every = cfg.checkpoint.every
+    if every and (step + 1) % every == 0:
+        out = Path(cfg.checkpoint.dir) / f"{phase}-step{step + 1}"
+        save_hf(model, out)
+        log.info("saved %s", out)
 
 
 def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Config) -> float:
