@@ -48,12 +48,17 @@ RowGrad = Callable[[slice, torch.Tensor], torch.Tensor]
 
 
 def chunk_sizes(
-    n_rows: int, vocab: int, tile_elements: int = DEFAULT_TILE_ELEMENTS
+    n_rows: int,
+    vocab: int,
+    chunk_rows: int | None = None,
+    chunk_vocab: int | None = None,
+    tile_elements: int = DEFAULT_TILE_ELEMENTS,
 ) -> tuple[int, int]:
-    """Row block and vocabulary tile whose product stays within `tile_elements`."""
-    chunk_vocab = min(vocab, tile_elements)
-    chunk_rows = max(1, min(n_rows, tile_elements // chunk_vocab))
-    return chunk_rows, chunk_vocab
+    """Row block and vocabulary tile: the caller's where given, else a pair whose product stays
+    within `tile_elements`."""
+    default_vocab = min(vocab, tile_elements)
+    default_rows = max(1, min(n_rows, tile_elements // default_vocab))
+    return chunk_rows or default_rows, chunk_vocab or default_vocab
 
 
 def _logit_tiles(x32: torch.Tensor, w32: torch.Tensor, inv_t: float, chunk_vocab: int):
@@ -138,9 +143,7 @@ def linear_logprob_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden [N, H], weight [V, H], targets [N] -> (logp, entropy or [0], lse), each [N] fp32."""
     n, v = hidden.shape[0], weight.shape[0]
-    default_rows, default_vocab = chunk_sizes(n, v)
-    chunk_rows = chunk_rows or default_rows
-    chunk_vocab = chunk_vocab or default_vocab
+    chunk_rows, chunk_vocab = chunk_sizes(n, v, chunk_rows, chunk_vocab)
     inv_t = 1.0 / temperature
     acc = _accumulation_dtype(hidden.dtype)
     w32 = weight.to(acc)
@@ -232,9 +235,7 @@ def linear_logprob_backward(
     Returns (dHidden [N, H] fp32, dWeight [V, H] fp32 or None).
     """
     n, v = hidden.shape[0], weight.shape[0]
-    default_rows, default_vocab = chunk_sizes(n, v)
-    chunk_rows = chunk_rows or default_rows
-    chunk_vocab = chunk_vocab or default_vocab
+    chunk_rows, chunk_vocab = chunk_sizes(n, v, chunk_rows, chunk_vocab)
     inv_t = 1.0 / temperature
     acc = _accumulation_dtype(hidden.dtype)
     w32 = weight.to(acc)
@@ -285,9 +286,7 @@ def linear_logprob_row_grads(
     fp32 or None).
     """
     n, v = hidden.shape[0], weight.shape[0]
-    default_rows, default_vocab = chunk_sizes(n, v)
-    chunk_rows = chunk_rows or default_rows
-    chunk_vocab = chunk_vocab or default_vocab
+    chunk_rows, chunk_vocab = chunk_sizes(n, v, chunk_rows, chunk_vocab)
     inv_t = 1.0 / temperature
     acc = _accumulation_dtype(hidden.dtype)
     w32 = weight.to(acc)
