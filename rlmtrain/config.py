@@ -179,7 +179,9 @@ class TrainConfig(_Section):
     loss_impl: Annotated[
         Literal["auto", "torch", "triton"], _doc("fused loss backend; auto = triton on CUDA")
     ] = "auto"
-    device: Annotated[str, _doc("'auto', 'cpu' or 'cuda'")] = "auto"
+    device: Annotated[
+        str, _doc("'auto', 'cpu', 'cuda' or 'cuda:N'", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    ] = "auto"
     seed: Annotated[int, _doc("seed for sampling and data order")] = 0
 
 
@@ -204,9 +206,7 @@ class JudgeConfig(_Section):
         str, _doc("OpenAI-compatible base URL up to /v1; empty = no judge (span F1 where it can)")
     ] = ""
     model: Annotated[str, _doc("model name sent in each request")] = "judge"
-    api_key_env: Annotated[
-        str, _doc("environment variable with the API key; empty = no key")
-    ] = ""
+    api_key_env: Annotated[str, _doc("environment variable with the API key; empty = no key")] = ""
     max_concurrency: Annotated[int, _doc("requests in flight", ge=1)] = 16
     timeout_s: Annotated[float, _doc("seconds per request attempt", gt=0)] = 60.0
     max_retries: Annotated[int, _doc("retries after the first attempt", ge=0)] = 4
@@ -215,9 +215,7 @@ class JudgeConfig(_Section):
     temperature: Annotated[float, _doc("judge sampling temperature", ge=0)] = 0.0
     max_tokens: Annotated[int, _doc("judge reply token limit", ge=1)] = 512
     json_mode: Annotated[bool, _doc("send response_format={'type': 'json_object'}")] = True
-    cache_path: Annotated[
-        str, _doc("JSONL cache of replies across runs; empty = memory only")
-    ] = ""
+    cache_path: Annotated[str, _doc("JSONL cache of replies across runs; empty = memory only")] = ""
     on_unscored: Annotated[
         Literal["span_f1", "drop"],
         _doc("a sample the judge could not score: fall back to span F1, or drop it from its group"),

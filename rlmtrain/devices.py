@@ -19,6 +19,7 @@ __all__ = [
     "HAS_VLLM",
     "BackendUnavailable",
     "log_fallback_once",
+    "resolve_device",
 ]
 
 log = logging.getLogger("rlmtrain")
@@ -41,3 +42,12 @@ def log_fallback_once(key: str, message: str) -> None:
     if key not in _logged:
         _logged.add(key)
         log.info(message)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`train.device` ('auto', 'cpu', 'cuda', 'cuda:N'; the config checks the form) as a device."""
+    if name == "auto":
+        return torch.device("cuda" if HAS_CUDA else "cpu")
+    if name.startswith("cuda") and not HAS_CUDA:
+        raise BackendUnavailable(f"train.device={name!r} but CUDA is not available")
+    return torch.device(name)

@@ -44,6 +44,7 @@ from rlmtrain.algo import (
     pack,
 )
 from rlmtrain.config import Config, ConfigError
+from rlmtrain.devices import resolve_device
 from rlmtrain.envs.base import Env, Task, get_env
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
 from rlmtrain.model import Transformer, build_model, named_hf_tensors, save_hf
@@ -74,7 +75,7 @@ def main(cfg: Config) -> int:
     # ---------------------------------------------------------------- set-up
     logging.basicConfig(level=cfg.logging.level.upper(), format="%(message)s", stream=sys.stderr)
     _refuse_unwired(cfg)
-    device = _device(cfg.train.device)
+    device = resolve_device(cfg.train.device)
     random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
     run_dir = Path(cfg.checkpoint.dir)
@@ -382,16 +383,6 @@ def _refuse_unwired(cfg: Config) -> None:
         )
     if cfg.checkpoint.resume:
         raise ConfigError("checkpoint.resume: resuming is not wired into train yet")
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device: '{name}' requested but CUDA is not available")
-    if name != "cpu" and not name.startswith("cuda"):
-        raise ConfigError(f"train.device: '{name}' is not 'auto', 'cpu' or 'cuda[:N]'")
-    return torch.device(name)
 
 
 def _teacher_groups(

@@ -68,6 +68,7 @@ def test_show_output_round_trips(run_file):
         ("", ["--rollout.max_turns=0"], "rollout.max_turns"),
         ("", ["--train.nosuch=1"], "train.nosuch"),
         ("", ["--train.lr=fast"], "train.lr"),
+        ("", ["--train.device=gpu"], "train.device"),
     ],
 )
 def test_bad_input_names_the_key(run_file, text, overrides, named):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rlmtrain.devices import HAS_CUDA, HAS_VLLM, BackendUnavailable
+from rlmtrain.devices import HAS_VLLM, BackendUnavailable, resolve_device
 
 if TYPE_CHECKING:
     from rlmtrain.config import Config
@@ -27,17 +27,10 @@ def build_engine(config: Config, tokenizer: Tokenizer) -> Engine:
     """
     rollout = config.rollout
     if rollout.engine == "native":
-        import torch
-
         from rlmtrain.model import build_model
         from rlmtrain.rollout.engines.native import NativeEngine
 
-        device = config.train.device
-        if device == "auto":
-            device = "cuda" if HAS_CUDA else "cpu"
-        if device.startswith("cuda") and not HAS_CUDA:
-            raise BackendUnavailable(f"train.device={device!r} but CUDA is not available")
-        model = build_model(config.model).to(torch.device(device))
+        model = build_model(config.model).to(resolve_device(config.train.device))
         return NativeEngine(
             model,
             max_batch_size=rollout.max_batch_size,
