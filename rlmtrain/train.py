@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 import logging
 import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -63,6 +64,7 @@ from rlmtrain.rollout.engines import build_engine
 from rlmtrain.rollout.scheduler import Scheduler
 
 log = logging.getLogger("rlmtrain.train")
+T = TypeVar("T")
 
 _TEACHERS = {
     "evidence": "rlmtrain.envs.evidence_teacher",
@@ -103,12 +105,10 @@ def main(cfg: Config) -> int:
     # ---------------------------------------------------------------- SFT warm-up
     if cfg.train.sft_steps:
         teacher_groups, scorer = _teacher_groups(cfg, env, tasks, tokenizer)
-        order = list(range(len(teacher_groups)))
+        picks = _batches(teacher_groups, cfg.train.tasks_per_step)
         for step in range(cfg.train.sft_steps):
             began = time.perf_counter()
-            if step % max(1, len(order) // cfg.train.tasks_per_step) == 0:
-                random.shuffle(order)
-            pick = [teacher_groups[i] for i in _window(order, step, cfg.train.tasks_per_step)]
+            pick = next(picks)
             samples, stats = build_sft_samples(pick, scorer, cfg.algo)
             if not samples:
                 log.info("sft %d: no teacher tree kept (%s), skipped", step, _stats_line(stats))
@@ -161,13 +161,11 @@ async def _rl(
     scheduler = Scheduler(engine, tokenizer, cfg.rollout)
     # The k3 KL anchors the policy to where RL started (after SFT): a frozen copy of it.
     reference = _frozen_copy(model) if cfg.algo.kl_beta > 0 else None
-    order = list(range(len(tasks)))
+    picks = _batches(tasks, cfg.train.tasks_per_step)
     try:
         for step in range(cfg.train.steps):
             began = time.perf_counter()
-            if step % max(1, len(order) // cfg.train.tasks_per_step) == 0:
-                random.shuffle(order)
-            batch = [tasks[i] for i in _window(order, step, cfg.train.tasks_per_step)]
+            batch = next(picks)
             progress = RolloutProgress(len(batch) * cfg.rollout.n_samples, engine)
             scheduler.on_tree_done = progress.tree_done
             try:
@@ -427,9 +425,16 @@ def _rollout_row(scheduler: Scheduler) -> dict[str, Any]:
     }
 
 
-def _window(order: list[int], step: int, size: int) -> list[int]:
-    start = (step * size) % len(order)
-    return [order[(start + i) % len(order)] for i in range(min(size, len(order)))]
+def _batches(items: list[T], size: int) -> Iterator[list[T]]:
+    """`size` items per step, endlessly: a window sliding over a shuffled order (wrapping at the
+    end), reshuffled every len(items) // size steps."""
+    order = list(range(len(items)))
+    per_pass = max(1, len(order) // size)
+    for step in itertools.count():
+        if step % per_pass == 0:
+            random.shuffle(order)
+        start = (step * size) % len(order)
+        yield [items[order[(start + i) % len(order)]] for i in range(min(size, len(order)))]
 
 
 def _mean(values) -> float:
