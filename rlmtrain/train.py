@@ -172,10 +172,7 @@ async def _rl(
                 groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples)
             finally:
                 progress.close()
-            scores = [
-                (await env.reward(task, group)).scores
-                for task, group in zip(batch, groups, strict=True)
-            ]
+            scores = await env.root_scores(batch, groups)
             rewards = _with_exploration_bonus(groups, scores, cfg, step)
             credit = _tool_credit(groups) if cfg.algo.tool_credit_alpha > 0 else None
             advantages, adv_stats = compute_advantages(
@@ -395,9 +392,8 @@ def _teacher_groups(
         limits = AgentLimits.from_config(cfg.rollout)
         groups = await teacher.teach(env, tasks, tokenizer, limits=limits)
         scores: dict[str, float] = {}
-        for task, group in zip(tasks, groups, strict=True):
-            result = await env.reward(task, group)
-            for root, value in zip(group.roots, result.scores, strict=True):
+        for group, values in zip(groups, await env.root_scores(tasks, groups), strict=True):
+            for root, value in zip(group.roots, values, strict=True):
                 scores[root.id] = 0.0 if value is None else value
         return groups, scores
 

@@ -98,6 +98,15 @@ class Env:
         """Score each root trajectory of `group` (children are never scored: SPEC.md §3)."""
         raise NotImplementedError(f"{type(self).__name__}.reward")
 
+    async def root_scores(
+        self, tasks: list[Task], groups: list[RolloutGroup]
+    ) -> list[list[float | None]]:
+        """`reward(task, group).scores` of each task's group, in order."""
+        return [
+            (await self.reward(task, group)).scores
+            for task, group in zip(tasks, groups, strict=True)
+        ]
+
     def load_tasks(self, path: str | Path) -> list[Task]:
         """All tasks of a JSONL file, as this environment's task type."""
         return list(read_tasks(path, self.task_type))

@@ -88,10 +88,7 @@ async def _rollout(config: Config, tasks: list[Any], env: Any, out: Path) -> str
 
 
 async def _mean_reward(env: Any, tasks: list[Any], groups: list[RolloutGroup]) -> float:
-    scores = []
-    for task, group in zip(tasks, groups, strict=True):
-        result = await env.reward(task, group)
-        scores += [s for s in result.scores if s is not None]
+    scores = [s for values in await env.root_scores(tasks, groups) for s in values if s is not None]
     return sum(scores) / len(scores) if scores else float("nan")
 
 
