@@ -9,7 +9,8 @@ the elementwise GRPO kernel and the log-prob backward kernel back to back. No [N
 exists on either path. When no gradient is wanted (no_grad, frozen inputs) nothing beyond the
 loss is computed.
 
-Rows whose target is `ignore_index` count as weight 0 (no loss, no metric, no gradient).
+Rows whose target is `ignore_index` count as weight 0 (no loss, no metric, no gradient) and never
+reach the head (`rows.TrainedRows`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .logprob import (
     logprob_backward_triton,
     logprob_forward_triton,
 )
+from .rows import TrainedRows
 
 __all__ = ["fused_linear_grpo_loss"]
 
@@ -61,7 +63,12 @@ def _linear_grpo_fwd(
     grpo = dict(
         beta=beta, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap
     )
-    weights = torch.where(targets != ignore_index, weights.float(), 0.0)
+    rows = TrainedRows(targets, ignore_index)
+    hidden, targets, old_logp, advantages, weights, ref_logp, sampler_logp = (
+        rows.take(t)
+        for t in (hidden, targets, old_logp, advantages, weights, ref_logp, sampler_logp)
+    )
+    weights = weights.float()
     need_grads = need_grad_hidden or need_grad_weight
     if impl == "torch":
 
@@ -101,8 +108,8 @@ def _linear_grpo_fwd(
     return (
         loss,
         sums,
-        entropy,
-        grad_hidden if need_grad_hidden else absent(),
+        rows.put(entropy) if with_entropy else entropy,
+        rows.put(grad_hidden) if need_grad_hidden else absent(),
         grad_weight if need_grad_weight else absent(),
     )
 

@@ -1,7 +1,8 @@
 """Linear head + weighted NLL for SFT: loss = -sum(weights * logp), gradients computed in the
 forward pass like `fused_linear_grpo_loss` (the per-token gradient is simply -weight).
 
-Rows whose target is `ignore_index` contribute nothing. No [N, V] tensor is ever allocated.
+Rows whose target is `ignore_index` contribute nothing and never reach the head
+(`rows.TrainedRows`). No [N, V] tensor is ever allocated.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .logprob import (
     logprob_backward_triton,
     logprob_forward_triton,
 )
+from .rows import TrainedRows
 
 __all__ = ["fused_linear_nll"]
 
@@ -34,7 +36,9 @@ def _linear_nll_fwd(
     need_grad_weight: bool,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_logp = -torch.where(targets != ignore_index, weights.float(), 0.0)
+    rows = TrainedRows(targets, ignore_index)
+    hidden, targets = rows.take(hidden), rows.take(targets)
+    grad_logp = -rows.take(weights).float()
     need_grads = need_grad_hidden or need_grad_weight
     if impl == "torch":
         logp, entropy, grad_hidden, grad_weight = reference.linear_logprob_row_grads(
@@ -59,8 +63,8 @@ def _linear_nll_fwd(
 
     return (
         (grad_logp * logp).sum(),
-        entropy,
-        grad_hidden if need_grad_hidden else absent(),
+        rows.put(entropy) if with_entropy else entropy,
+        rows.put(grad_hidden) if need_grad_hidden else absent(),
         grad_weight if need_grad_weight else absent(),
     )
 

@@ -23,6 +23,7 @@ import torch
 
 from . import reference
 from ._backend import resolve_impl, tl, triton, triton_interpreting
+from .rows import TrainedRows
 
 __all__ = ["fused_linear_logprob"]
 
@@ -266,6 +267,9 @@ def logprob_forward_triton(
     """(logp [N], entropy [N] or [0], lse [N]), fp32, by the Triton forward kernel."""
     n, h = hidden.shape
     v = weight.shape[0]
+    if n == 0:
+        empty = hidden.new_empty(0, dtype=torch.float32)
+        return empty, empty, empty
     cfg = _tile_config(hidden.device)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
@@ -339,7 +343,7 @@ def logprob_backward_triton(
     mean_z = lse - entropy if with_entropy else lse
     grad_hidden = torch.zeros(n, h, **f32) if need_grad_hidden else None
     grad_weight = torch.zeros(v, h, **f32) if need_grad_weight else None
-    if not (need_grad_hidden or need_grad_weight):
+    if n == 0 or not (need_grad_hidden or need_grad_weight):
         return grad_hidden, grad_weight
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
@@ -383,14 +387,16 @@ def _linear_logprob_fwd(
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     forward = logprob_forward_triton if impl == "triton" else reference.linear_logprob_forward
-    return forward(
-        hidden,
+    rows = TrainedRows(targets, ignore_index)
+    logp, entropy, lse = forward(
+        rows.take(hidden),
         weight,
-        targets,
+        rows.take(targets),
         temperature=temperature,
         ignore_index=ignore_index,
         with_entropy=with_entropy,
     )
+    return rows.put(logp), rows.put(entropy) if with_entropy else entropy, rows.put(lse)
 
 
 @_linear_logprob_fwd.register_fake
@@ -419,17 +425,27 @@ def _linear_logprob_bwd(
     need_grad_weight: bool,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = TrainedRows(targets, ignore_index)
+    trained = (
+        rows.take(hidden),
+        weight,
+        rows.take(targets),
+        rows.take(lse),
+        rows.take(entropy) if grad_entropy is not None else entropy,
+        rows.take(grad_logp),
+        rows.take(grad_entropy),
+    )
     if impl == "triton":
         grad_hidden, grad_weight = logprob_backward_triton(
-            hidden, weight, targets, lse, entropy, grad_logp, grad_entropy,
-            temperature=temperature, ignore_index=ignore_index,
+            *trained, temperature=temperature, ignore_index=ignore_index,
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight,
         )  # fmt: skip
     else:
         grad_hidden, grad_weight = reference.linear_logprob_backward(
-            hidden, weight, targets, lse, entropy, grad_logp, grad_entropy,
-            temperature=temperature, ignore_index=ignore_index, need_grad_weight=need_grad_weight,
+            *trained, temperature=temperature, ignore_index=ignore_index,
+            need_grad_weight=need_grad_weight,
         )  # fmt: skip
+    grad_hidden = rows.put(grad_hidden) if need_grad_hidden else None
     # Custom ops return tensors only, none aliasing another: a fresh empty one means "not needed".
     return (
         grad_hidden.to(hidden.dtype) if need_grad_hidden else hidden.new_empty(0),

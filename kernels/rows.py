@@ -1,0 +1,41 @@
+"""Only trained rows reach the LM head.
+
+In packed RL and SFT batches most tokens are prompt: system prompt, REPL observations, earlier
+turns. Their targets are `ignore_index` and their log-probs, entropies and gradients are defined to
+be 0, so every op gathers the rows it trains on, runs the head over those alone and scatters the
+per-row results back. The head's cost then follows the trained tokens, not the packed ones, and
+whatever an ignored row holds (padding, garbage, inf) can never reach a result or a gradient.
+
+Counting the rows is one host sync per op call on CUDA; inside a custom op that is invisible to
+torch.compile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TrainedRows"]
+
+
+class TrainedRows:
+    """The rows of one call whose target is not `ignore_index`, and the gather/scatter to them."""
+
+    def __init__(self, targets: torch.Tensor, ignore_index: int) -> None:
+        self.total = targets.shape[0]
+        index = (targets != ignore_index).nonzero().squeeze(1)
+        # All rows trained (the common case of unpacked losses): no copies at all.
+        self.index = None if index.numel() == self.total else index
+        self.count = self.total if self.index is None else index.numel()
+
+    def take(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """The trained rows of a per-row tensor [N, ...] (None passes through)."""
+        if t is None or self.index is None:
+            return t
+        return t.index_select(0, self.index)
+
+    def put(self, rows: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor [count, ...] of the trained rows back at [N, ...], 0 elsewhere."""
+        if self.index is None:
+            return rows
+        out = rows.new_zeros((self.total, *rows.shape[1:]))
+        return out.index_copy_(0, self.index, rows)
