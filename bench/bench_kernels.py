@@ -195,6 +195,39 @@ def test_cpu_grpo_forward_backward(benchmark, cpu_results, impl, n, h):
     )
 
 
+PACKED_N, PACKED_H = 4096, 1024
+
+
+@pytest.fixture(scope="module")
+def packed_results():
+    results: dict[float, float] = {}
+    yield results
+    if 1.0 in results and 0.25 in results:
+        print(
+            f"\npacked batch N={PACKED_N} H={PACKED_H}: 25% trained rows take "
+            f"{results[0.25] / results[1.0]:.2f}x the time of 100% (ignored rows skip the head)"
+        )
+
+
+@pytest.mark.parametrize("trained_fraction", [1.0, 0.25])
+def test_cpu_packed_batch_cost_follows_trained_rows(benchmark, packed_results, trained_fraction):
+    """A packed RL batch is mostly prompt (ignored targets); the head's time should follow the
+    trained rows. The trained rows come in spans, as packing lays out completions."""
+    inp = grpo_inputs(PACKED_N, PACKED_H, torch.float32, "cpu")
+    span = 256
+    keep = int(span * trained_fraction)
+    prompt = (torch.arange(PACKED_N) % span) >= keep
+    inp["targets"] = inp["targets"].masked_fill(prompt, -100)
+    benchmark.pedantic(lambda: ours_grpo(inp, "torch"), rounds=1, iterations=1, warmup_rounds=1)
+    seconds = benchmark.stats.stats.median
+    packed_results[trained_fraction] = seconds
+    benchmark.extra_info.update(
+        device="cpu", N=PACKED_N, H=PACKED_H, V=V, trained_fraction=trained_fraction,
+        seconds=seconds,
+    )  # fmt: skip
+    print(f"\n[cpu] packed N={PACKED_N} trained {trained_fraction:.0%}: {seconds:.2f} s")
+
+
 # --- CUDA ----------------------------------------------------------------------------------------
 
 CUDA_CASES = [(n, h) for h in (2560, 4096) for n in (4096, 16384, 65536)]
