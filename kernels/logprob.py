@@ -11,7 +11,10 @@ Backward kernel: programs tile (row block, vocabulary tile), recompute the logit
 dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z) and scatter dX = dz @ W and dW = dz^T @ X into
 fp32 buffers with atomic adds (the Cut Cross-Entropy layout, without its filter that skips
 small gradient blocks: no entry is dropped; dz is rounded to the input dtype for the two dots).
-Grids are one-dimensional so no axis meets the 65,535 limit of axes 1 and 2.
+Grids are one-dimensional so no axis meets the 65,535 limit of axes 1 and 2; both kernels walk
+them in grouped order (`_grouped_tile`), so that the programs resident at once share a few row
+tiles of hidden states and a run of weight tiles in L2 instead of each streaming its own. Tile
+shapes come from `CUDA_TILES`, a table a tuning sweep may replace.
 
 The op is registered with torch.library (opaque to torch.compile, with fake kernels for shapes)
 and differentiated by `LinearLogprobFunction`.
@@ -30,12 +33,32 @@ __all__ = ["fused_linear_logprob"]
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _tile_config(device: torch.device) -> dict[str, int]:
-    if device.type == "cpu" and triton_interpreting():
-        # The interpreter's cost is per operation, not per element, so fewer, larger tiles run
-        # faster; these still leave partial row, vocabulary and hidden tiles at the test shapes.
-        return dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32)
-    return dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64)
+# Tile shapes and launch options per kernel on CUDA; a module-level table so that a tuning sweep
+# (bench/gpu/sweep_tiles.py) can try others without touching the kernels. Starting points: the
+# forward is a GEMM with an online log-sum-exp epilogue, for which Cut Cross-Entropy's published
+# default is 256 x 128 x 32 on 8 warps, 3 stages; the backward recomputes a 128 x 128 logit tile
+# and then streams H in wider slices (BLOCK_H_OUT) for its two output products.
+CUDA_TILES: dict[str, dict[str, int]] = {
+    "forward": dict(BLOCK_N=256, BLOCK_V=128, BLOCK_H=32, num_warps=8, num_stages=3),
+    "backward": dict(
+        BLOCK_N=128, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=64, num_warps=4, num_stages=4
+    ),
+}
+# The interpreter's cost is per operation, not per element, so fewer, larger tiles run faster;
+# these still leave partial row, vocabulary and hidden tiles at the test shapes.
+INTERPRETER_TILES: dict[str, dict[str, int]] = {
+    "forward": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32),
+    "backward": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=32),
+}
+# Row tiles per group in the program order: the programs running at once share a few row tiles'
+# hidden states and a run of vocabulary tiles, so both stay in L2 (the grouped order of tiled
+# matrix products).
+GROUP_N = 8
+
+
+def _tiles(device: torch.device, kernel: str) -> dict[str, int]:
+    table = INTERPRETER_TILES if device.type == "cpu" and triton_interpreting() else CUDA_TILES
+    return dict(table[kernel])
 
 
 def _upcast_dot_operands(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,6 +71,16 @@ def _upcast_dot_operands(device: torch.device, dtype: torch.dtype) -> bool:
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs must not silently become tf32 products; bf16/fp16 products are exact in fp32.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _grouped_tile(pid, n_row_tiles, n_col_tiles, GROUP_N: tl.constexpr):
+    """Program id -> (row tile, column tile), GROUP_N row tiles at a time, rows fastest."""
+    per_group = GROUP_N * n_col_tiles
+    first_row = (pid // per_group) * GROUP_N
+    rows_here = tl.minimum(n_row_tiles - first_row, GROUP_N)
+    in_group = pid % per_group
+    return first_row + in_group % rows_here, in_group // rows_here
 
 
 @triton.jit
@@ -109,17 +142,17 @@ def _logprob_fwd_kernel(
     stride_wh,
     inv_t,
     n_row_tiles,
+    n_splits,
     tiles_per_split,
     WITH_ENTROPY: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GROUP_N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_n = pid % n_row_tiles
-    pid_s = pid // n_row_tiles
+    pid_n, pid_s = _grouped_tile(tl.program_id(0), n_row_tiles, n_splits, GROUP_N)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     t = tl.load(T_ptr + rows, mask=row_mask, other=-1)
@@ -176,18 +209,19 @@ def _logprob_bwd_kernel(
     stride_wh,
     inv_t,
     n_row_tiles,
+    n_vocab_tiles,
     WITH_ENTROPY: tl.constexpr,
     NEED_DX: tl.constexpr,
     NEED_DW: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GROUP_N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_H_OUT: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_n = pid % n_row_tiles
-    pid_v = pid // n_row_tiles
+    pid_n, pid_v = _grouped_tile(tl.program_id(0), n_row_tiles, n_vocab_tiles, GROUP_N)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_mask = rows < N
@@ -211,8 +245,8 @@ def _logprob_bwd_kernel(
     if UPCAST_DOT:
         dz = dz.to(tl.float32)
 
-    for h0 in range(0, H, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
+    for h0 in range(0, H, BLOCK_H_OUT):
+        hs = h0 + tl.arange(0, BLOCK_H_OUT)
         h_mask = hs < H
         if NEED_DX:
             w = tl.load(
@@ -270,7 +304,7 @@ def logprob_forward_triton(
     if n == 0:
         empty = hidden.new_empty(0, dtype=torch.float32)
         return empty, empty, empty
-    cfg = _tile_config(hidden.device)
+    cfg = _tiles(hidden.device, "forward")
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
     splits = _vocab_splits(hidden.device, n_row_tiles, n_vocab_tiles)
@@ -298,10 +332,12 @@ def logprob_forward_triton(
         weight.stride(1),
         1.0 / temperature,
         n_row_tiles,
+        splits,
         tiles_per_split,
         WITH_ENTROPY=with_entropy,
         UPCAST_DOT=_upcast_dot_operands(hidden.device, hidden.dtype),
         DOT_PRECISION=_dot_precision(hidden.dtype),
+        GROUP_N=GROUP_N,
         **cfg,
     )
     row_max = part_max.amax(dim=0)
@@ -334,7 +370,7 @@ def logprob_backward_triton(
     """(dHidden [N, H] fp32 or None, dWeight [V, H] fp32 or None) by the Triton backward kernel."""
     n, h = hidden.shape
     v = weight.shape[0]
-    cfg = _tile_config(hidden.device)
+    cfg = _tiles(hidden.device, "backward")
     f32 = dict(dtype=torch.float32, device=hidden.device)
     valid = targets != ignore_index
     g = torch.zeros(n, **f32) if grad_logp is None else torch.where(valid, grad_logp.float(), 0.0)
@@ -366,11 +402,13 @@ def logprob_backward_triton(
         weight.stride(1),
         1.0 / temperature,
         n_row_tiles,
+        n_vocab_tiles,
         WITH_ENTROPY=with_entropy,
         NEED_DX=need_grad_hidden,
         NEED_DW=need_grad_weight,
         UPCAST_DOT=_upcast_dot_operands(hidden.device, hidden.dtype),
         DOT_PRECISION=_dot_precision(hidden.dtype),
+        GROUP_N=GROUP_N,
         **cfg,
     )
     return grad_hidden, grad_weight

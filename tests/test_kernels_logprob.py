@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from rlmtrain.kernels import KernelBackendUnavailable, fused_linear_logprob, reference
+from rlmtrain.kernels import KernelBackendUnavailable, fused_linear_logprob, logprob, reference
 from rlmtrain.kernels._backend import resolve_impl
 
 IGNORE = -100
@@ -294,3 +294,18 @@ def test_imports_and_runs_without_triton():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("group_n", [1, 2])
+def test_triton_grouped_program_order(monkeypatch, group_n):
+    """Every (row tile, vocabulary tile) runs once whatever the grouping, a last group with fewer
+    row tiles than GROUP_N included (82 trained rows: 3 row tiles of 32)."""
+    monkeypatch.setattr(logprob, "GROUP_N", group_n)
+    check_against_truth("triton", 123, 16, 4099, torch.float32, "cpu")
+
+
+def test_triton_cuda_tile_shapes(monkeypatch):
+    """The CUDA tile table's shapes (wider output slices than the recompute's), in the
+    interpreter: a partial 256-row tile and partial hidden slices of both widths."""
+    monkeypatch.setattr(logprob, "INTERPRETER_TILES", logprob.CUDA_TILES)
+    check_against_truth("triton", 300, 67, 1001, torch.bfloat16, "cpu")
