@@ -18,21 +18,28 @@ extra at N=4096 <= 25% of naive's; time <= 1.2x naive's.
 CUDA part (bf16, H in {2560, 4096} as Qwen3-4B/8B, V = 151936, N in {4096, 16384, 65536}):
 Triton vs full logits vs Liger vs Cut Cross-Entropy (when installed): forward, backward and
 both, TFLOP/s on the nominal counts 2·N·H·V forward and 6·N·H·V backward (logits recomputed),
-the same for every implementation, % of H200 dense bf16 peak, peak memory above inputs and
-gradients (torch.cuda peak stats); the GRPO loss alone in GB/s.
+the same for every implementation, % of the dense bf16 peak (the datasheet's and the measured
+matmul rate's), peak memory above inputs and gradients (torch.cuda peak stats); the GRPO loss
+alone in GB/s. `BENCH_TILES_JSON=file` runs the Triton kernels with the tile shapes a sweep
+chose (bench/gpu/sweep_tiles.py); every figure records the tiles it ran with.
+bench/gpu/run.sh runs all of it on a GPU machine in one call.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
+import os
 
 import pytest
 import torch
-from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss
+from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss, logprob
 
 V = 151936
-H200_BF16_PEAK_FLOPS = 790e12  # dense bf16, measured (REFERENCES.md)
+H200_BF16_PEAK_FLOPS = 790e12  # dense bf16 8192^3 matmul as measured on the card (REFERENCES.md)
+DATASHEET_BF16_PEAK_FLOPS = 989.4e12  # H100/H200 SXM dense bf16, the vendor's figure
+H200_COPY_BYTES_PER_S = 4.3e12  # device copy, bytes read + written, as measured (REFERENCES.md)
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 LIGER_SEQ = 512  # Liger takes padded [B, T] batches; N tokens become N / 512 sequences
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -249,18 +256,34 @@ def cuda_logprob_fn(impl: str):
     raise ValueError(impl)
 
 
-def report_cuda(benchmark, name: str, n: int, h: int, flops_factor: int, extra: int) -> None:
+@pytest.fixture(scope="module")
+def cuda_tiles() -> dict:
+    """The Triton kernels' tile table for this run: a sweep's winners when BENCH_TILES_JSON names
+    its output, else the committed defaults."""
+    path = os.environ.get("BENCH_TILES_JSON")
+    if path:
+        with open(path) as f:
+            logprob.CUDA_TILES.update(json.load(f)["best"])
+    return {kernel: dict(tiles) for kernel, tiles in logprob.CUDA_TILES.items()}
+
+
+def report_cuda(
+    benchmark, name: str, n: int, h: int, flops_factor: int, extra: int, tiles: dict
+) -> None:
     seconds = benchmark.stats.stats.median
     tflops = flops_factor * n * h * V / seconds / 1e12
     info = dict(
         device=torch.cuda.get_device_name(), dtype="bfloat16", N=n, H=h, V=V,
         median_s=seconds, tflops=tflops, peak_extra_bytes=extra,
         pct_of_bf16_peak=100 * tflops * 1e12 / H200_BF16_PEAK_FLOPS,
+        pct_of_datasheet_peak=100 * tflops * 1e12 / DATASHEET_BF16_PEAK_FLOPS,
+        name=name, tiles=tiles,
     )  # fmt: skip
     benchmark.extra_info.update(info)
     print(
         f"\n[cuda] {name} N={n} H={h}: {seconds * 1e3:.2f} ms, {tflops:.0f} TFLOP/s "
-        f"({info['pct_of_bf16_peak']:.0f}% of peak), peak extra {extra / 2**30:.2f} GiB"
+        f"({info['pct_of_datasheet_peak']:.0f}% of datasheet peak, "
+        f"{info['pct_of_bf16_peak']:.0f}% of measured matmul), peak extra {extra / 2**30:.2f} GiB"
     )
 
 
@@ -276,7 +299,7 @@ def cuda_peak_extra(fn, baseline: int, grad_bytes: int) -> int:
 @pytest.mark.parametrize("phase", list(NOMINAL_FLOPS))
 @pytest.mark.parametrize("impl", ["triton", "naive", "cce"])
 @pytest.mark.parametrize(("n", "h"), CUDA_CASES)
-def test_cuda_logprob(benchmark, impl, phase, n, h):
+def test_cuda_logprob(benchmark, cuda_tiles, impl, phase, n, h):
     logprob = cuda_logprob_fn(impl)
     inp = grpo_inputs(n, h, torch.bfloat16, "cuda")
     x, w, t = inp["hidden"], inp["weight"], inp["targets"]
@@ -310,7 +333,7 @@ def test_cuda_logprob(benchmark, impl, phase, n, h):
     except torch.cuda.OutOfMemoryError:
         benchmark.extra_info.update(N=n, H=h, impl=impl, phase=phase, result="out of memory")
         pytest.skip(f"{impl} {phase} N={n} H={h}: out of memory")
-    report_cuda(benchmark, f"logprob {impl} {phase}", n, h, NOMINAL_FLOPS[phase], extra)
+    report_cuda(benchmark, f"logprob {impl} {phase}", n, h, NOMINAL_FLOPS[phase], extra, cuda_tiles)
 
 
 CUDA_GRPO_IMPLS = {
@@ -323,7 +346,7 @@ CUDA_GRPO_IMPLS = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", list(CUDA_GRPO_IMPLS))
 @pytest.mark.parametrize(("n", "h"), CUDA_CASES)
-def test_cuda_fused_grpo_forward_backward(benchmark, impl, n, h):
+def test_cuda_fused_grpo_forward_backward(benchmark, cuda_tiles, impl, n, h):
     if impl == "liger" and not HAS_LIGER:
         pytest.skip("liger-kernel is not installed")
     inp = grpo_inputs(n, h, torch.bfloat16, "cuda")
@@ -339,7 +362,7 @@ def test_cuda_fused_grpo_forward_backward(benchmark, impl, n, h):
     except torch.cuda.OutOfMemoryError:
         benchmark.extra_info.update(N=n, H=h, impl=impl, result="out of memory")
         pytest.skip(f"{impl} N={n} H={h}: out of memory")
-    report_cuda(benchmark, f"grpo {impl} fwd+bwd", n, h, NOMINAL_FLOPS["both"], extra)
+    report_cuda(benchmark, f"grpo {impl} fwd+bwd", n, h, NOMINAL_FLOPS["both"], extra, cuda_tiles)
 
 
 @pytest.mark.gpu
@@ -360,10 +383,13 @@ def test_cuda_grpo_loss_alone(benchmark, impl, n):
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
     seconds = benchmark.stats.stats.median
     moved = 7 * 4 * n  # six fp32 inputs read, the fp32 gradient written
+    gb_per_s = moved / seconds / 1e9
     benchmark.extra_info.update(
-        device=torch.cuda.get_device_name(), N=n, impl=impl, median_s=seconds,
-        gb_per_s=moved / seconds / 1e9,
+        device=torch.cuda.get_device_name(), N=n, impl=impl, median_s=seconds, gb_per_s=gb_per_s,
+        pct_of_measured_copy=100 * gb_per_s * 1e9 / H200_COPY_BYTES_PER_S,
+        name=f"grpo_loss {impl}",
     )  # fmt: skip
     print(
-        f"\n[cuda] grpo_loss {impl} N={n}: {seconds * 1e6:.0f} us, {moved / seconds / 1e9:.0f} GB/s"
+        f"\n[cuda] grpo_loss {impl} N={n}: {seconds * 1e6:.0f} us, {gb_per_s:.0f} GB/s "
+        f"({100 * gb_per_s * 1e9 / H200_COPY_BYTES_PER_S:.0f}% of the measured copy bandwidth)"
     )

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the kernels in one device call, sized to fit one 600 s command:
+# the card's two ceilings, the CUDA halves of the kernel and model tests, a tile sweep at the
+# training shape, then bench/bench_kernels.py's CUDA part with the sweep's winners, and a table.
+#
+# Prepare here: `bash bench/gpu/fetch_wheels.sh` (peers and msgspec into .whl/). Then, through the
+# device tool: command `bash bench/gpu/run.sh`, carry [".whl"], timeout_s 600. Logs and JSON land
+# in $OUT (ceilings.json, tests.log, tiles.json, sweep.log, bench.log, bench.json).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/rlmtrain-gpu}
+mkdir -p "$OUT"
+step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+
+step "machine"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The package installs top-level kernels/ as rlmtrain.kernels; without an install (the image has
+# no package index), a link gives the checkout the same layout.
+python3 -c "import rlmtrain.kernels" 2>/dev/null || ln -sfn ../kernels rlmtrain/kernels
+python3 -c "import torch, triton, rlmtrain.kernels; print('torch', torch.__version__,
+'triton', triton.__version__, torch.cuda.get_device_name())" || exit 1
+
+step "ceilings"
+timeout 45 python3 bench/gpu/ceilings.py "$OUT/ceilings.json"
+
+step "tests: CUDA halves of the kernel and model tests"
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_logprob.py \
+    tests/test_kernels_fused.py tests/test_kernels_grpo.py tests/test_kernels_rows.py \
+    tests/test_model_packed.py >"$OUT/tests.log" 2>&1
+tail -n 15 "$OUT/tests.log"
+
+step "tile sweep at N=16384 H=2560"
+timeout 120 python3 bench/gpu/sweep_tiles.py --out "$OUT/tiles.json" >"$OUT/sweep.log" 2>&1
+sed -n '/^tile sweep/,$p' "$OUT/sweep.log"
+[ -s "$OUT/tiles.json" ] && export BENCH_TILES_JSON=$OUT/tiles.json
+
+step "benchmarks"
+timeout 230 python3 -m pytest -q -s -m gpu -p no:cacheprovider bench/bench_kernels.py \
+    --benchmark-only --benchmark-json="$OUT/bench.json" >"$OUT/bench.log" 2>&1
+grep -E "passed|failed|error" "$OUT/bench.log" | tail -n 3
+
+step "summary"
+if [ -s "$OUT/bench.json" ]; then
+    python3 bench/gpu/summarize.py "$OUT/bench.json"
+else
+    echo "(bench cut short: its printed figures)"
+    grep '^\[cuda\]' "$OUT/bench.log" | cut -c1-120
+fi
