@@ -19,7 +19,9 @@ same dtype as hidden: bf16, fp16 or fp32), targets [N] int token ids; every per-
 impl: "triton" runs the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) and raises
 `KernelBackendUnavailable` where it cannot; "torch" runs the chunked torch backend; "auto" picks
 Triton on CUDA and torch elsewhere. All ops are torch.library custom ops, so torch.compile traces
-callers without graph breaks.
+callers without graph breaks. Rows whose target is `ignore_index` never reach the head
+(`rows.TrainedRows`). The Triton backward's tiles and variant live in `tiles`; its optional
+"slabs" variant (`logprob_slabs`) holds a slab of logit gradients bounded by `SLAB_BYTES`.
 """
 
 if __name__ != "rlmtrain.kernels":

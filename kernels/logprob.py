@@ -11,10 +11,13 @@ Backward kernel: programs tile (row block, vocabulary tile), recompute the logit
 dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z) and scatter dX = dz @ W and dW = dz^T @ X into
 fp32 buffers with atomic adds (the Cut Cross-Entropy layout, without its filter that skips
 small gradient blocks: no entry is dropped; dz is rounded to the input dtype for the two dots).
-Grids are one-dimensional so no axis meets the 65,535 limit of axes 1 and 2; both kernels walk
-them in grouped order (`_grouped_tile`), so that the programs resident at once share a few row
-tiles of hidden states and a run of weight tiles in L2 instead of each streaming its own. Tile
-shapes come from `CUDA_TILES`, a table a tuning sweep may replace.
+This is the default backward; `tiles.BACKWARD_VARIANT = "slabs"` swaps in logprob_slabs.py,
+which trades the atomics for a bounded slab of logit gradients and two matrix products.
+
+Grids are one-dimensional so no axis meets the 65,535 limit of axes 1 and 2; the kernels walk
+them in grouped order (`tiles.grouped_tile`), so that the programs resident at once share a few
+row tiles of hidden states and a run of weight tiles in L2 instead of each streaming its own.
+Tile shapes come from `tiles.CUDA_TILES`, a table a tuning sweep may replace.
 
 The op is registered with torch.library (opaque to torch.compile, with fake kernels for shapes)
 and differentiated by `LinearLogprobFunction`.
@@ -24,104 +27,14 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from ._backend import resolve_impl, tl, triton, triton_interpreting
+from . import logprob_slabs, reference, tiles
+from ._backend import resolve_impl, tl, triton
 from .rows import TrainedRows
+from .tiles import grad_logit_tile, grouped_tile, logit_tile
 
 __all__ = ["fused_linear_logprob"]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-# Tile shapes and launch options per kernel on CUDA; a module-level table so that a tuning sweep
-# (bench/gpu/sweep_tiles.py) can try others without touching the kernels. Starting points: the
-# forward is a GEMM with an online log-sum-exp epilogue, for which Cut Cross-Entropy's published
-# default is 256 x 128 x 32 on 8 warps, 3 stages; the backward recomputes a 128 x 128 logit tile
-# and then streams H in wider slices (BLOCK_H_OUT) for its two output products.
-CUDA_TILES: dict[str, dict[str, int]] = {
-    "forward": dict(BLOCK_N=256, BLOCK_V=128, BLOCK_H=32, num_warps=8, num_stages=3),
-    "backward": dict(
-        BLOCK_N=128, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=64, num_warps=4, num_stages=4
-    ),
-}
-# The interpreter's cost is per operation, not per element, so fewer, larger tiles run faster;
-# these still leave partial row, vocabulary and hidden tiles at the test shapes.
-INTERPRETER_TILES: dict[str, dict[str, int]] = {
-    "forward": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32),
-    "backward": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=32),
-}
-# Row tiles per group in the program order: the programs running at once share a few row tiles'
-# hidden states and a run of vocabulary tiles, so both stay in L2 (the grouped order of tiled
-# matrix products).
-GROUP_N = 8
-
-
-def _tiles(device: torch.device, kernel: str) -> dict[str, int]:
-    table = INTERPRETER_TILES if device.type == "cpu" and triton_interpreting() else CUDA_TILES
-    return dict(table[kernel])
-
-
-def _upcast_dot_operands(device: torch.device, dtype: torch.dtype) -> bool:
-    # Triton 3.9's interpreter returns garbage from tl.dot on bf16 operands (their bits are
-    # multiplied as if they were another type). Upcasting there is exact: a bf16 product fits
-    # fp32, and the accumulator is fp32 either way. Compiled kernels keep bf16 tensor-core dots.
-    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs must not silently become tf32 products; bf16/fp16 products are exact in fp32.
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@triton.jit
-def _grouped_tile(pid, n_row_tiles, n_col_tiles, GROUP_N: tl.constexpr):
-    """Program id -> (row tile, column tile), GROUP_N row tiles at a time, rows fastest."""
-    per_group = GROUP_N * n_col_tiles
-    first_row = (pid // per_group) * GROUP_N
-    rows_here = tl.minimum(n_row_tiles - first_row, GROUP_N)
-    in_group = pid % per_group
-    return first_row + in_group % rows_here, in_group // rows_here
-
-
-@triton.jit
-def _logit_tile(
-    X_ptr,
-    W_ptr,
-    rows,
-    cols,
-    row_mask,
-    col_mask,
-    H,
-    stride_xn,
-    stride_xh,
-    stride_wv,
-    stride_wh,
-    inv_t,
-    UPCAST_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        h_mask = hs < H
-        x = tl.load(
-            X_ptr + rows[:, None] * stride_xn + hs[None, :] * stride_xh,
-            mask=row_mask[:, None] & h_mask[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            W_ptr + cols[:, None] * stride_wv + hs[None, :] * stride_wh,
-            mask=col_mask[:, None] & h_mask[None, :],
-            other=0.0,
-        )
-        if UPCAST_DOT:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    return acc * inv_t
 
 
 @triton.jit
@@ -152,7 +65,7 @@ def _logprob_fwd_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    pid_n, pid_s = _grouped_tile(tl.program_id(0), n_row_tiles, n_splits, GROUP_N)
+    pid_n, pid_s = grouped_tile(tl.program_id(0), n_row_tiles, n_splits, GROUP_N)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     t = tl.load(T_ptr + rows, mask=row_mask, other=-1)
@@ -165,7 +78,7 @@ def _logprob_fwd_kernel(
     for vt in range(tile_lo, tile_hi):
         cols = (vt * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
         col_mask = cols < V
-        z = _logit_tile(
+        z = logit_tile(
             X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
             stride_wh, inv_t, UPCAST_DOT, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
         )  # fmt: skip
@@ -221,27 +134,19 @@ def _logprob_bwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_H_OUT: tl.constexpr,
 ):
-    pid_n, pid_v = _grouped_tile(tl.program_id(0), n_row_tiles, n_vocab_tiles, GROUP_N)
+    pid_n, pid_v = grouped_tile(tl.program_id(0), n_row_tiles, n_vocab_tiles, GROUP_N)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_mask = rows < N
     col_mask = cols < V
-    t = tl.load(T_ptr + rows, mask=row_mask, other=-1)
-    lse = tl.load(LSE_ptr + rows, mask=row_mask, other=0.0)
-    g = tl.load(G_ptr + rows, mask=row_mask, other=0.0)
-
-    z = _logit_tile(
+    z = logit_tile(
         X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
         stride_wh, inv_t, UPCAST_DOT, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
     )  # fmt: skip
-    p = tl.where(col_mask[None, :], tl.exp(z - lse[:, None]), 0.0)
-    hit = cols[None, :] == t[:, None]
-    dz = tl.where(hit, g[:, None], 0.0) - g[:, None] * p
-    if WITH_ENTROPY:
-        ge = tl.load(GE_ptr + rows, mask=row_mask, other=0.0)
-        mean_z = tl.load(MEANZ_ptr + rows, mask=row_mask, other=0.0)
-        dz += ge[:, None] * p * (mean_z[:, None] - z)
-    dz = (dz * inv_t).to(X_ptr.dtype.element_ty)
+    dz = grad_logit_tile(
+        z, rows, cols, row_mask, col_mask, T_ptr, LSE_ptr, MEANZ_ptr, G_ptr, GE_ptr, inv_t,
+        WITH_ENTROPY,
+    ).to(X_ptr.dtype.element_ty)  # fmt: skip
     if UPCAST_DOT:
         dz = dz.to(tl.float32)
 
@@ -304,7 +209,7 @@ def logprob_forward_triton(
     if n == 0:
         empty = hidden.new_empty(0, dtype=torch.float32)
         return empty, empty, empty
-    cfg = _tiles(hidden.device, "forward")
+    cfg = tiles.tiles_for(hidden.device, "forward")
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
     splits = _vocab_splits(hidden.device, n_row_tiles, n_vocab_tiles)
@@ -335,9 +240,9 @@ def logprob_forward_triton(
         splits,
         tiles_per_split,
         WITH_ENTROPY=with_entropy,
-        UPCAST_DOT=_upcast_dot_operands(hidden.device, hidden.dtype),
-        DOT_PRECISION=_dot_precision(hidden.dtype),
-        GROUP_N=GROUP_N,
+        UPCAST_DOT=tiles.upcast_dot_operands(hidden.device, hidden.dtype),
+        DOT_PRECISION=tiles.dot_precision(hidden.dtype),
+        GROUP_N=tiles.GROUP_N,
         **cfg,
     )
     row_max = part_max.amax(dim=0)
@@ -367,10 +272,10 @@ def logprob_backward_triton(
     need_grad_hidden: bool,
     need_grad_weight: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dHidden [N, H] fp32 or None, dWeight [V, H] fp32 or None) by the Triton backward kernel."""
+    """(dHidden [N, H] fp32 or None, dWeight [V, H] fp32 or None) by the Triton backward
+    (`tiles.BACKWARD_VARIANT`: the atomic tile kernel, or logit-gradient slabs)."""
     n, h = hidden.shape
     v = weight.shape[0]
-    cfg = _tiles(hidden.device, "backward")
     f32 = dict(dtype=torch.float32, device=hidden.device)
     valid = targets != ignore_index
     g = torch.zeros(n, **f32) if grad_logp is None else torch.where(valid, grad_logp.float(), 0.0)
@@ -381,16 +286,21 @@ def logprob_backward_triton(
     grad_weight = torch.zeros(v, h, **f32) if need_grad_weight else None
     if n == 0 or not (need_grad_hidden or need_grad_weight):
         return grad_hidden, grad_weight
+    upstream = (lse.contiguous(), mean_z.contiguous(), g.contiguous(), ge.contiguous())
+    if tiles.BACKWARD_VARIANT == "slabs":
+        logprob_slabs.accumulate_grads(
+            hidden, weight, targets, *upstream, grad_hidden, grad_weight,
+            inv_t=1.0 / temperature, with_entropy=with_entropy,
+        )  # fmt: skip
+        return grad_hidden, grad_weight
+    cfg = tiles.tiles_for(hidden.device, "backward")
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
     _logprob_bwd_kernel[(n_row_tiles * n_vocab_tiles,)](
         hidden,
         weight,
         targets,
-        lse.contiguous(),
-        mean_z.contiguous(),
-        g.contiguous(),
-        ge.contiguous(),
+        *upstream,
         grad_hidden if grad_hidden is not None else g,
         grad_weight if grad_weight is not None else g,
         n,
@@ -406,9 +316,9 @@ def logprob_backward_triton(
         WITH_ENTROPY=with_entropy,
         NEED_DX=need_grad_hidden,
         NEED_DW=need_grad_weight,
-        UPCAST_DOT=_upcast_dot_operands(hidden.device, hidden.dtype),
-        DOT_PRECISION=_dot_precision(hidden.dtype),
-        GROUP_N=GROUP_N,
+        UPCAST_DOT=tiles.upcast_dot_operands(hidden.device, hidden.dtype),
+        DOT_PRECISION=tiles.dot_precision(hidden.dtype),
+        GROUP_N=tiles.GROUP_N,
         **cfg,
     )
     return grad_hidden, grad_weight

@@ -9,7 +9,13 @@ import textwrap
 
 import pytest
 import torch
-from rlmtrain.kernels import KernelBackendUnavailable, fused_linear_logprob, logprob, reference
+from rlmtrain.kernels import (
+    KernelBackendUnavailable,
+    fused_linear_logprob,
+    logprob_slabs,
+    reference,
+    tiles,
+)
 from rlmtrain.kernels._backend import resolve_impl
 
 IGNORE = -100
@@ -300,12 +306,24 @@ def test_imports_and_runs_without_triton():
 def test_triton_grouped_program_order(monkeypatch, group_n):
     """Every (row tile, vocabulary tile) runs once whatever the grouping, a last group with fewer
     row tiles than GROUP_N included (82 trained rows: 3 row tiles of 32)."""
-    monkeypatch.setattr(logprob, "GROUP_N", group_n)
+    monkeypatch.setattr(tiles, "GROUP_N", group_n)
     check_against_truth("triton", 123, 16, 4099, torch.float32, "cpu")
 
 
-def test_triton_cuda_tile_shapes(monkeypatch):
+@pytest.mark.parametrize("variant", ["atomic", "slabs"])
+def test_triton_cuda_tile_shapes(monkeypatch, variant):
     """The CUDA tile table's shapes (wider output slices than the recompute's), in the
     interpreter: a partial 256-row tile and partial hidden slices of both widths."""
-    monkeypatch.setattr(logprob, "INTERPRETER_TILES", logprob.CUDA_TILES)
+    monkeypatch.setattr(tiles, "BACKWARD_VARIANT", variant)
+    monkeypatch.setattr(tiles, "INTERPRETER_TILES", tiles.CUDA_TILES)
     check_against_truth("triton", 300, 67, 1001, torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("n", "h", "v", "dtype"), TRITON_CASES)
+def test_triton_slab_backward_matches_fp64_truth(monkeypatch, n, h, v, dtype, device):
+    """The slab variant of the backward, its slabs cut small (32 rows in the interpreter, one
+    row tile on CUDA) so that a call spans several and dW accumulates across them."""
+    monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "slabs")
+    monkeypatch.setattr(logprob_slabs, "SLAB_BYTES", 40 * v * 2)
+    check_against_truth("triton", n, h, v, dtype, device)

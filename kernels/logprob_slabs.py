@@ -1,0 +1,141 @@
+"""The log-prob backward as logit-gradient slabs and two matrix products.
+
+The atomic backward (logprob.py) adds every logit tile's dX and dW products into fp32 buffers
+with atomics: (BLOCK_N + BLOCK_V) * H atomic adds per tile, hundreds of GB of L2 traffic at
+training shapes. This variant takes the rows a slab at a time instead: one Triton kernel (a GEMM
+whose epilogue turns the recomputed logit tile into dLoss/dlogits) writes the slab's logit
+gradients in the input dtype, then dX[slab] = dZ @ W and dW += dZ^T @ X[slab] run as plain
+matrix products with fp32 accumulation and fp32 results. The slab is bounded by `SLAB_BYTES`
+whatever N is, so memory stays O(slab * V + V * H); the logits themselves are never stored.
+
+Which variant runs is `tiles.BACKWARD_VARIANT`; bench/gpu/sweep_tiles.py times both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import tiles
+from ._backend import tl, triton
+from .tiles import grad_logit_tile, grouped_tile, logit_tile
+
+__all__ = ["SLAB_BYTES", "accumulate_grads"]
+
+# Bytes of one slab of logit gradients (bf16: 3,533 rows at V = 151936). Large enough that each
+# matrix product is a long GEMM; the fp32 dW is read and written once per slab.
+SLAB_BYTES = 1 << 30
+
+
+@triton.jit
+def _dlogits_kernel(
+    X_ptr,
+    W_ptr,
+    T_ptr,
+    LSE_ptr,
+    MEANZ_ptr,
+    G_ptr,
+    GE_ptr,
+    DZ_ptr,
+    N,
+    V,
+    H,
+    stride_xn,
+    stride_xh,
+    stride_wv,
+    stride_wh,
+    stride_dz,
+    inv_t,
+    n_row_tiles,
+    n_vocab_tiles,
+    WITH_ENTROPY: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid_n, pid_v = grouped_tile(tl.program_id(0), n_row_tiles, n_vocab_tiles, GROUP_N)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask = rows < N
+    col_mask = cols < V
+    z = logit_tile(
+        X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
+        stride_wh, inv_t, UPCAST_DOT, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+    )  # fmt: skip
+    dz = grad_logit_tile(
+        z, rows, cols, row_mask, col_mask, T_ptr, LSE_ptr, MEANZ_ptr, G_ptr, GE_ptr, inv_t,
+        WITH_ENTROPY,
+    )  # fmt: skip
+    tl.store(
+        DZ_ptr + rows[:, None] * stride_dz + cols[None, :],
+        dz.to(DZ_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
+
+
+def _fp32_products(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's matrix products take `out_dtype=float32` for these operands (cuBLAS on
+    CUDA, bf16/fp16 in, fp32 accumulated and returned); elsewhere the operands are upcast."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def _write_slab(hidden, weight, targets, lse, mean_z, g, ge, dz, inv_t, with_entropy) -> None:
+    n, h = hidden.shape
+    v = weight.shape[0]
+    cfg = tiles.tiles_for(hidden.device, "dlogits")
+    n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
+    n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
+    _dlogits_kernel[(n_row_tiles * n_vocab_tiles,)](
+        hidden, weight, targets, lse, mean_z, g, ge, dz, n, v, h, hidden.stride(0),
+        hidden.stride(1), weight.stride(0), weight.stride(1), dz.stride(0), inv_t, n_row_tiles,
+        n_vocab_tiles, WITH_ENTROPY=with_entropy,
+        UPCAST_DOT=tiles.upcast_dot_operands(hidden.device, hidden.dtype),
+        DOT_PRECISION=tiles.dot_precision(hidden.dtype), GROUP_N=tiles.GROUP_N, **cfg,
+    )  # fmt: skip
+
+
+def accumulate_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    mean_z: torch.Tensor,
+    g: torch.Tensor,
+    ge: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    *,
+    inv_t: float,
+    with_entropy: bool,
+) -> None:
+    """Fill grad_hidden [N, H] fp32 and add into grad_weight [V, H] fp32 (either may be None),
+    given the upstream per-row coefficients the atomic kernel takes (g, g_H, lse, E_p[z])."""
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    block_n = tiles.tiles_for(hidden.device, "dlogits")["BLOCK_N"]
+    slab_rows = max(block_n, SLAB_BYTES // (v * hidden.element_size()) // block_n * block_n)
+    slab_rows = min(slab_rows, n)
+    dz = torch.empty(slab_rows, v, dtype=hidden.dtype, device=hidden.device)
+    fp32_out = _fp32_products(hidden.device, hidden.dtype)
+    w32 = None if fp32_out else weight.float()
+    for r0 in range(0, n, slab_rows):
+        rows = slice(r0, min(r0 + slab_rows, n))
+        x = hidden[rows]
+        slab = dz[: x.shape[0]]
+        _write_slab(
+            x, weight, targets[rows], lse[rows], mean_z[rows], g[rows], ge[rows], slab, inv_t,
+            with_entropy,
+        )  # fmt: skip
+        if fp32_out:
+            if grad_hidden is not None:
+                torch.mm(slab, weight, out_dtype=torch.float32, out=grad_hidden[rows])
+            if grad_weight is not None:
+                torch.addmm(grad_weight, slab.T, x, out_dtype=torch.float32, out=grad_weight)
+        else:
+            slab32 = slab.float()
+            if grad_hidden is not None:
+                torch.mm(slab32, w32, out=grad_hidden[rows])
+            if grad_weight is not None:
+                grad_weight.addmm_(slab32.T, x.float())

@@ -1,0 +1,127 @@
+"""Tile shapes, program order and the Triton pieces the log-prob kernels share.
+
+`CUDA_TILES` is a module-level table (and `BACKWARD_VARIANT` a module-level choice) so that a
+tuning sweep (bench/gpu/sweep_tiles.py) can try others without touching the kernels; the
+launchers read them at each call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import tl, triton, triton_interpreting
+
+# Tile shapes and launch options per kernel on CUDA. Starting points: the forward is a GEMM with an
+# online log-sum-exp epilogue, for which Cut Cross-Entropy's published default is 256 x 128 x 32
+# on 8 warps, 3 stages; the atomic backward recomputes a 128 x 128 logit tile and then streams H
+# in wider slices (BLOCK_H_OUT) for its two output products; the slab backward's kernel is a GEMM
+# with an elementwise epilogue and a bf16 store.
+CUDA_TILES: dict[str, dict[str, int]] = {
+    "forward": dict(BLOCK_N=256, BLOCK_V=128, BLOCK_H=32, num_warps=8, num_stages=3),
+    "backward": dict(
+        BLOCK_N=128, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=64, num_warps=4, num_stages=4
+    ),
+    "dlogits": dict(BLOCK_N=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
+}
+# The interpreter's cost is per operation, not per element, so fewer, larger tiles run faster;
+# these still leave partial row, vocabulary and hidden tiles at the test shapes.
+INTERPRETER_TILES: dict[str, dict[str, int]] = {
+    "forward": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32),
+    "backward": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=32),
+    "dlogits": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32),
+}
+# Row tiles per group in the program order: the programs running at once share a few row tiles'
+# hidden states and a run of vocabulary tiles, so both stay in L2 (the grouped order of tiled
+# matrix products).
+GROUP_N = 8
+# How the backward forms dX and dW: "atomic" (each logit tile adds its products into fp32
+# buffers with atomics; nothing of size V is stored) or "slabs" (a kernel writes the logit
+# gradients of a slab of rows, then two matrix products finish dX and dW; see logprob_slabs.py).
+BACKWARD_VARIANT = "atomic"
+
+
+def tiles_for(device: torch.device, kernel: str) -> dict[str, int]:
+    table = INTERPRETER_TILES if device.type == "cpu" and triton_interpreting() else CUDA_TILES
+    return dict(table[kernel])
+
+
+def upcast_dot_operands(device: torch.device, dtype: torch.dtype) -> bool:
+    # Triton 3.9's interpreter returns garbage from tl.dot on bf16 operands (their bits are
+    # multiplied as if they were another type). Upcasting there is exact: a bf16 product fits
+    # fp32, and the accumulator is fp32 either way. Compiled kernels keep bf16 tensor-core dots.
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently become tf32 products; bf16/fp16 products are exact in fp32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def grouped_tile(pid, n_row_tiles, n_col_tiles, GROUP_N: tl.constexpr):
+    """Program id -> (row tile, column tile), GROUP_N row tiles at a time, rows fastest."""
+    per_group = GROUP_N * n_col_tiles
+    first_row = (pid // per_group) * GROUP_N
+    rows_here = tl.minimum(n_row_tiles - first_row, GROUP_N)
+    in_group = pid % per_group
+    return first_row + in_group % rows_here, in_group // rows_here
+
+
+@triton.jit
+def logit_tile(
+    X_ptr,
+    W_ptr,
+    rows,
+    cols,
+    row_mask,
+    col_mask,
+    H,
+    stride_xn,
+    stride_xh,
+    stride_wv,
+    stride_wh,
+    inv_t,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_mask = hs < H
+        x = tl.load(
+            X_ptr + rows[:, None] * stride_xn + hs[None, :] * stride_xh,
+            mask=row_mask[:, None] & h_mask[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            W_ptr + cols[:, None] * stride_wv + hs[None, :] * stride_wh,
+            mask=col_mask[:, None] & h_mask[None, :],
+            other=0.0,
+        )
+        if UPCAST_DOT:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc * inv_t
+
+
+@triton.jit
+def grad_logit_tile(
+    z, rows, cols, row_mask, col_mask, T_ptr, LSE_ptr, MEANZ_ptr, G_ptr, GE_ptr, inv_t,
+    WITH_ENTROPY: tl.constexpr,
+):  # fmt: skip
+    """dLoss/d(logits before the temperature) of one tile from its tempered logits z:
+    (g * (onehot - p) + g_H * p * (E_p[z] - z)) / T, in fp32."""
+    t = tl.load(T_ptr + rows, mask=row_mask, other=-1)
+    lse = tl.load(LSE_ptr + rows, mask=row_mask, other=0.0)
+    g = tl.load(G_ptr + rows, mask=row_mask, other=0.0)
+    p = tl.where(col_mask[None, :], tl.exp(z - lse[:, None]), 0.0)
+    dz = tl.where(cols[None, :] == t[:, None], g[:, None], 0.0) - g[:, None] * p
+    if WITH_ENTROPY:
+        ge = tl.load(GE_ptr + rows, mask=row_mask, other=0.0)
+        mean_z = tl.load(MEANZ_ptr + rows, mask=row_mask, other=0.0)
+        dz += ge[:, None] * p * (mean_z[:, None] - z)
+    return dz * inv_t
