@@ -21,7 +21,7 @@ both, TFLOP/s on the nominal counts 2·N·H·V forward and 6·N·H·V backward (
 the same for every implementation, % of the dense bf16 peak (the datasheet's and the measured
 matmul rate's), peak memory above inputs and gradients (torch.cuda peak stats); the GRPO loss
 alone in GB/s. `BENCH_TILES_JSON=file` runs the Triton kernels with the tile shapes a sweep
-chose (bench/gpu/sweep_tiles.py); every figure records the tiles it ran with.
+and backward variant a sweep chose (bench/gpu/sweep_tiles.py); every figure records them.
 bench/gpu/run.sh runs all of it on a GPU machine in one call.
 """
 
@@ -34,7 +34,7 @@ import os
 
 import pytest
 import torch
-from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss, logprob
+from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss, tiles
 
 V = 151936
 H200_BF16_PEAK_FLOPS = 790e12  # dense bf16 8192^3 matmul as measured on the card (REFERENCES.md)
@@ -258,13 +258,16 @@ def cuda_logprob_fn(impl: str):
 
 @pytest.fixture(scope="module")
 def cuda_tiles() -> dict:
-    """The Triton kernels' tile table for this run: a sweep's winners when BENCH_TILES_JSON names
-    its output, else the committed defaults."""
+    """The Triton kernels' tiles and backward variant for this run: a sweep's winners when
+    BENCH_TILES_JSON names its output, else the committed defaults."""
     path = os.environ.get("BENCH_TILES_JSON")
     if path:
         with open(path) as f:
-            logprob.CUDA_TILES.update(json.load(f)["best"])
-    return {kernel: dict(tiles) for kernel, tiles in logprob.CUDA_TILES.items()}
+            chosen = json.load(f)
+        tiles.CUDA_TILES.update(chosen["tiles"])
+        tiles.BACKWARD_VARIANT = chosen["backward_variant"]
+    used = {entry: dict(shape) for entry, shape in tiles.CUDA_TILES.items()}
+    return {**used, "backward_variant": tiles.BACKWARD_VARIANT}
 
 
 def report_cuda(

@@ -1,11 +1,13 @@
-"""Times the log-prob kernels' candidate tile shapes at one training shape and keeps the fastest
-correct one per kernel.
+"""Times the log-prob kernels' candidate tile shapes, and the two backward variants, at one
+training shape, and keeps the fastest correct choice for the forward and for the backward.
 
-Each candidate replaces `CUDA_TILES[kernel]`, is checked against the chunked torch backend on the
-same inputs (relative error under 1e-4 for log-probs, 1e-2 for the gradients, whose dot operands
-are rounded to bf16; a tile shape that computes something else is dropped, as is one that does not
-compile, e.g. for shared memory), then timed (median of `do_bench`). Prints a table and writes the
-winners as JSON, which `bench/bench_kernels.py` loads when `BENCH_TILES_JSON` names the file.
+Each candidate replaces one entry of `tiles.CUDA_TILES` (and, for the backward, sets
+`tiles.BACKWARD_VARIANT`: "atomic" tiles the "backward" kernel, "slabs" the "dlogits" one). It is
+checked against the chunked torch backend on the same inputs (relative error under 1e-4 for
+log-probs, 1e-2 for the gradients, whose dot operands are rounded to bf16); a candidate that
+computes something else is dropped, as is one that does not compile (shared memory, say). Then
+it is timed (median of `do_bench`). Prints a table and writes the winners as JSON, which
+`bench/bench_kernels.py` loads when `BENCH_TILES_JSON` names the file.
 
 Run: `python3 bench/gpu/sweep_tiles.py [--n 16384] [--h 2560] [--out tiles.json]`.
 """
@@ -16,28 +18,32 @@ import argparse
 import json
 
 import torch
-from rlmtrain.kernels import logprob, reference
+from rlmtrain.kernels import logprob, reference, tiles
 from triton.testing import do_bench
 
 V = 151936
-
-FORWARD = [
-    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_H=32, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=32, num_warps=4, num_stages=4),
-    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=64, BLOCK_V=256, BLOCK_H=64, num_warps=4, num_stages=4),
-]
-BACKWARD = [
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=64, num_warps=4, num_stages=4),
-    dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, BLOCK_H_OUT=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=64, BLOCK_V=128, BLOCK_H=64, BLOCK_H_OUT=128, num_warps=4, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=256, BLOCK_H=32, BLOCK_H_OUT=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=256, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=64, num_warps=8, num_stages=3),
-    dict(BLOCK_N=128, BLOCK_V=64, BLOCK_H=64, BLOCK_H_OUT=64, num_warps=4, num_stages=4),
-]
 OPTIONS = dict(temperature=1.0, ignore_index=-100)
+
+
+def tile(n: int, v: int, h: int, warps: int, stages: int, h_out: int | None = None) -> dict:
+    shape = dict(BLOCK_N=n, BLOCK_V=v, BLOCK_H=h, num_warps=warps, num_stages=stages)
+    return shape if h_out is None else {**shape, "BLOCK_H_OUT": h_out}
+
+
+# (stage, backward variant, CUDA_TILES entry, tile shape); the first of each stage is committed.
+CANDIDATES = [
+    *(("forward", None, "forward", tile(*t)) for t in [
+        (256, 128, 32, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4),
+        (256, 128, 64, 8, 3), (64, 256, 64, 4, 4),
+    ]),
+    *(("backward", "atomic", "backward", tile(*t)) for t in [
+        (128, 128, 32, 4, 4, 64), (128, 128, 64, 8, 3, 64), (64, 128, 64, 4, 3, 128),
+        (128, 256, 32, 8, 3, 64), (256, 128, 32, 8, 3, 64),
+    ]),
+    *(("backward", "slabs", "dlogits", tile(*t)) for t in [
+        (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 32, 8, 3),
+    ]),
+]  # fmt: skip
 
 
 def inputs(n: int, h: int) -> dict[str, torch.Tensor]:
@@ -60,43 +66,42 @@ def backward(d, lse):
     )  # fmt: skip
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
-
-
 def torch_backend(d: dict) -> dict[str, torch.Tensor]:
-    logp, _, lse = reference.linear_logprob_forward(d["x"], d["w"], d["t"], with_entropy=False,
-                                                    **OPTIONS)  # fmt: skip
+    logp, _, lse = reference.linear_logprob_forward(
+        d["x"], d["w"], d["t"], with_entropy=False, **OPTIONS
+    )
     dx, dw = reference.linear_logprob_backward(
         d["x"], d["w"], d["t"], lse, None, d["g"], None, need_grad_weight=True, **OPTIONS
     )
     return dict(logp=logp, lse=lse, dx=dx, dw=dw)
 
 
-def sweep(kernel: str, candidates: list[dict], d: dict, ref: dict, flops: float) -> list[dict]:
-    committed = dict(logprob.CUDA_TILES[kernel])
-    lse = ref["lse"]
-    rows = []
-    for tiles in candidates:
-        logprob.CUDA_TILES[kernel] = dict(tiles)
-        row = dict(kernel=kernel, **tiles)
-        try:
-            if kernel == "forward":
-                logp, _, _ = forward(d)
-                row["rel_err"] = rel_err(logp, ref["logp"])
-                run, tolerance = (lambda: forward(d)), 1e-4
-            else:
-                dx, dw = backward(d, lse)
-                row["rel_err"] = max(rel_err(dx, ref["dx"]), rel_err(dw, ref["dw"]))
-                run, tolerance = (lambda: backward(d, lse)), 1e-2
-            ms = do_bench(run, warmup=25, rep=200, return_mode="median")
-            row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, ok=row["rel_err"] < tolerance)
-        except Exception as exc:  # a shape that does not compile or launch is reported, not fatal
-            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:120]}")
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    logprob.CUDA_TILES[kernel] = committed
-    return rows
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def try_candidate(stage, variant, entry, shape, d, ref, flops) -> dict:
+    committed = (dict(tiles.CUDA_TILES[entry]), tiles.BACKWARD_VARIANT)
+    tiles.CUDA_TILES[entry] = dict(shape)
+    if variant is not None:
+        tiles.BACKWARD_VARIANT = variant
+    row = dict(stage=stage, variant=variant, entry=entry, tiles=shape)
+    try:
+        if stage == "forward":
+            logp, _, _ = forward(d)
+            row["rel_err"] = rel_err(logp, ref["logp"])
+            run, tolerance = (lambda: forward(d)), 1e-4
+        else:
+            dx, dw = backward(d, ref["lse"])
+            row["rel_err"] = max(rel_err(dx, ref["dx"]), rel_err(dw, ref["dw"]))
+            run, tolerance = (lambda: backward(d, ref["lse"])), 1e-2
+        ms = do_bench(run, warmup=25, rep=200, return_mode="median")
+        row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, ok=row["rel_err"] < tolerance)
+    except Exception as exc:  # a shape that does not compile or launch is reported, not fatal
+        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:120]}")
+    tiles.CUDA_TILES[entry], tiles.BACKWARD_VARIANT = committed
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main() -> None:
@@ -108,24 +113,26 @@ def main() -> None:
     d = inputs(args.n, args.h)
     ref = torch_backend(d)
     nhv = args.n * args.h * V
-    results = sweep("forward", FORWARD, d, ref, 2 * nhv)
-    results += sweep("backward", BACKWARD, d, ref, 6 * nhv)
-    best = {}
-    print(f"\ntile sweep N={args.n} H={args.h} V={V} bf16 (first row of each kernel: committed)")
-    for kernel in ("forward", "backward"):
-        good = [r for r in results if r["kernel"] == kernel and r["ok"]]
-        for r in results:
-            if r["kernel"] == kernel:
-                shape = {k: v for k, v in r.items() if k.isupper() or k.startswith("num_")}
-                timing = f"{r['ms']:8.2f} ms {r['tflops']:5.0f} TFLOP/s" if "ms" in r else "failed"
-                print(f"{kernel:>8} {shape} {timing} {r.get('error', '')}")
+    flops = {"forward": 2 * nhv, "backward": 6 * nhv}
+    results = [try_candidate(*c, d, ref, flops[c[0]]) for c in CANDIDATES]
+    chosen = {"tiles": {}, "backward_variant": tiles.BACKWARD_VARIANT}
+    print(f"\ntile sweep N={args.n} H={args.h} V={V} bf16 (first row of each stage: committed)")
+    for stage in ("forward", "backward"):
+        for r in (r for r in results if r["stage"] == stage):
+            timing = f"{r['ms']:8.2f} ms {r['tflops']:5.0f} TFLOP/s" if "ms" in r else "failed"
+            flag = "" if r["ok"] else "  REJECTED " + r.get("error", f"error {r.get('rel_err')}")
+            print(f"{stage:>8} {r['variant'] or '':<6} {r['tiles']} {timing}{flag}")
+        good = [r for r in results if r["stage"] == stage and r["ok"]]
         if good:
             fastest = min(good, key=lambda r: r["ms"])
-            best[kernel] = {k: v for k, v in fastest.items() if k.isupper() or k.startswith("num_")}
-            print(f"{kernel:>8} best: {best[kernel]} {fastest['tflops']:.0f} TFLOP/s")
+            chosen["tiles"][fastest["entry"]] = fastest["tiles"]
+            if stage == "backward":
+                chosen["backward_variant"] = fastest["variant"]
+            print(f"{stage:>8} best: {fastest['variant'] or ''} {fastest['tiles']} "
+                  f"{fastest['tflops']:.0f} TFLOP/s")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"best": best, "results": results}, f, indent=1)
+            json.dump({**chosen, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
