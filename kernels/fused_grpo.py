@@ -63,7 +63,7 @@ def _linear_grpo_fwd(
     grpo = dict(
         beta=beta, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap
     )
-    rows = TrainedRows(targets, ignore_index)
+    rows = TrainedRows(targets, ignore_index, weight.shape[0])
     hidden, targets, old_logp, advantages, weights, ref_logp, sampler_logp = (
         rows.take(t)
         for t in (hidden, targets, old_logp, advantages, weights, ref_logp, sampler_logp)

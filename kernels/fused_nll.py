@@ -36,7 +36,7 @@ def _linear_nll_fwd(
     need_grad_weight: bool,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = TrainedRows(targets, ignore_index)
+    rows = TrainedRows(targets, ignore_index, weight.shape[0])
     hidden, targets = rows.take(hidden), rows.take(targets)
     grad_logp = -rows.take(weights).float()
     need_grads = need_grad_hidden or need_grad_weight

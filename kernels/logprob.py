@@ -335,7 +335,7 @@ def _linear_logprob_fwd(
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     forward = logprob_forward_triton if impl == "triton" else reference.linear_logprob_forward
-    rows = TrainedRows(targets, ignore_index)
+    rows = TrainedRows(targets, ignore_index, weight.shape[0])
     logp, entropy, lse = forward(
         rows.take(hidden),
         weight,
@@ -373,7 +373,7 @@ def _linear_logprob_bwd(
     need_grad_weight: bool,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = TrainedRows(targets, ignore_index)
+    rows = TrainedRows(targets, ignore_index, weight.shape[0])
     trained = (
         rows.take(hidden),
         weight,

@@ -6,8 +6,8 @@ be 0, so every op gathers the rows it trains on, runs the head over those alone 
 per-row results back. The head's cost then follows the trained tokens, not the packed ones, and
 whatever an ignored row holds (padding, garbage, inf) can never reach a result or a gradient.
 
-Counting the rows is one host sync per op call on CUDA; inside a custom op that is invisible to
-torch.compile.
+Checking the ids and counting the rows are two host syncs per op call on CUDA; inside a custom
+op they are invisible to torch.compile.
 """
 
 from __future__ import annotations
@@ -20,9 +20,19 @@ __all__ = ["TrainedRows"]
 class TrainedRows:
     """The rows of one call whose target is not `ignore_index`, and the gather/scatter to them."""
 
-    def __init__(self, targets: torch.Tensor, ignore_index: int) -> None:
+    def __init__(self, targets: torch.Tensor, ignore_index: int, vocab: int) -> None:
+        trained = targets != ignore_index
+        # An id past the head (a tokenizer larger than the model's vocabulary, say) would
+        # otherwise get a log-prob of -lse, silently.
+        outside = trained & ((targets < 0) | (targets >= vocab))
+        if bool(outside.any()):
+            row = int(outside.nonzero()[0, 0])
+            raise ValueError(
+                f"targets must be token ids in [0, {vocab}) or ignore_index={ignore_index}; "
+                f"row {row} holds {int(targets[row])}"
+            )
         self.total = targets.shape[0]
-        index = (targets != ignore_index).nonzero().squeeze(1)
+        index = trained.nonzero().squeeze(1)
         # All rows trained (the common case of unpacked losses): no copies at all.
         self.index = None if index.numel() == self.total else index
         self.count = self.total if self.index is None else index.numel()
