@@ -209,7 +209,7 @@ def logprob_forward_triton(
     if n == 0:
         empty = hidden.new_empty(0, dtype=torch.float32)
         return empty, empty, empty
-    cfg = tiles.tiles_for(hidden.device, "forward")
+    cfg = tiles.tiles_for(hidden.device, "forward", hidden.dtype)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
     splits = _vocab_splits(hidden.device, n_row_tiles, n_vocab_tiles)
@@ -293,7 +293,7 @@ def logprob_backward_triton(
             inv_t=1.0 / temperature, with_entropy=with_entropy,
         )  # fmt: skip
         return grad_hidden, grad_weight
-    cfg = tiles.tiles_for(hidden.device, "backward")
+    cfg = tiles.tiles_for(hidden.device, "backward", hidden.dtype)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
     _logprob_bwd_kernel[(n_row_tiles * n_vocab_tiles,)](

@@ -13,6 +13,8 @@ Which variant runs is `tiles.BACKWARD_VARIANT`; bench/gpu/sweep_tiles.py times b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import tiles
@@ -75,6 +77,19 @@ def _dlogits_kernel(
     )
 
 
+@functools.cache
+def _addmm_accumulates_in_fp32(device: torch.device) -> bool:
+    """Whether this torch takes an fp32 `self` in addmm(out_dtype=float32) with 16-bit operands
+    (added late in torch 2.x; earlier ones refuse the mixed dtypes)."""
+    a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+    acc = torch.ones(16, 16, device=device)
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except RuntimeError:
+        return False
+    return bool(torch.all(acc == 17))
+
+
 def _fp32_products(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch's matrix products take `out_dtype=float32` for these operands (cuBLAS on
     CUDA, bf16/fp16 in, fp32 accumulated and returned); elsewhere the operands are upcast."""
@@ -84,7 +99,7 @@ def _fp32_products(device: torch.device, dtype: torch.dtype) -> bool:
 def _write_slab(hidden, weight, targets, lse, mean_z, g, ge, dz, inv_t, with_entropy) -> None:
     n, h = hidden.shape
     v = weight.shape[0]
-    cfg = tiles.tiles_for(hidden.device, "dlogits")
+    cfg = tiles.tiles_for(hidden.device, "dlogits", hidden.dtype)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
     _dlogits_kernel[(n_row_tiles * n_vocab_tiles,)](
@@ -114,7 +129,7 @@ def accumulate_grads(
     given the upstream per-row coefficients the atomic kernel takes (g, g_H, lse, E_p[z])."""
     n = hidden.shape[0]
     v = weight.shape[0]
-    block_n = tiles.tiles_for(hidden.device, "dlogits")["BLOCK_N"]
+    block_n = tiles.tiles_for(hidden.device, "dlogits", hidden.dtype)["BLOCK_N"]
     slab_rows = max(block_n, SLAB_BYTES // (v * hidden.element_size()) // block_n * block_n)
     slab_rows = min(slab_rows, n)
     dz = torch.empty(slab_rows, v, dtype=hidden.dtype, device=hidden.device)
@@ -131,8 +146,10 @@ def accumulate_grads(
         if fp32_out:
             if grad_hidden is not None:
                 torch.mm(slab, weight, out_dtype=torch.float32, out=grad_hidden[rows])
-            if grad_weight is not None:
+            if grad_weight is not None and _addmm_accumulates_in_fp32(hidden.device):
                 torch.addmm(grad_weight, slab.T, x, out_dtype=torch.float32, out=grad_weight)
+            elif grad_weight is not None:
+                grad_weight += torch.mm(slab.T, x, out_dtype=torch.float32)
         else:
             slab32 = slab.float()
             if grad_hidden is not None:

@@ -40,9 +40,18 @@ GROUP_N = 8
 BACKWARD_VARIANT = "atomic"
 
 
-def tiles_for(device: torch.device, kernel: str) -> dict[str, int]:
-    table = INTERPRETER_TILES if device.type == "cpu" and triton_interpreting() else CUDA_TILES
-    return dict(table[kernel])
+# fp32 operands take twice the shared memory per pipeline stage: the atomic backward's 16-bit
+# shape needs 270 KB at 4 stages in fp32, over a Hopper block's 227 KB, and fits at 3.
+FP32_MAX_STAGES = {"backward": 3}
+
+
+def tiles_for(device: torch.device, kernel: str, dtype: torch.dtype) -> dict[str, int]:
+    if device.type == "cpu" and triton_interpreting():
+        return dict(INTERPRETER_TILES[kernel])
+    cfg = dict(CUDA_TILES[kernel])
+    if dtype == torch.float32 and kernel in FP32_MAX_STAGES:
+        cfg["num_stages"] = min(cfg["num_stages"], FP32_MAX_STAGES[kernel])
+    return cfg
 
 
 def upcast_dot_operands(device: torch.device, dtype: torch.dtype) -> bool:

@@ -327,3 +327,12 @@ def test_triton_slab_backward_matches_fp64_truth(monkeypatch, n, h, v, dtype, de
     monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "slabs")
     monkeypatch.setattr(logprob_slabs, "SLAB_BYTES", 40 * v * 2)
     check_against_truth("triton", n, h, v, dtype, device)
+
+
+def test_fp32_tiles_fit_a_hopper_block():
+    """fp32 operands double the shared memory per stage: the atomic backward's 4-stage 16-bit
+    shape (270 KB in fp32) must drop to 3 stages to fit 227 KB; 16-bit inputs keep the table's."""
+    cuda = torch.device("cuda")
+    assert tiles.tiles_for(cuda, "backward", torch.float32)["num_stages"] <= 3
+    assert tiles.tiles_for(cuda, "backward", torch.bfloat16) == tiles.CUDA_TILES["backward"]
+    assert tiles.tiles_for(cuda, "forward", torch.float32) == tiles.CUDA_TILES["forward"]
