@@ -334,6 +334,7 @@ def test_cuda_logprob(benchmark, cuda_tiles, impl, phase, n, h):
         else:
             benchmark.pedantic(run[phase], rounds=5, warmup_rounds=1)
     except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()  # so that the next case starts from an unfragmented pool
         benchmark.extra_info.update(N=n, H=h, impl=impl, phase=phase, result="out of memory")
         pytest.skip(f"{impl} {phase} N={n} H={h}: out of memory")
     report_cuda(benchmark, f"logprob {impl} {phase}", n, h, NOMINAL_FLOPS[phase], extra, cuda_tiles)
@@ -363,6 +364,7 @@ def test_cuda_fused_grpo_forward_backward(benchmark, cuda_tiles, impl, n, h):
         extra = cuda_peak_extra(run, torch.cuda.memory_allocated(), grad_bytes)
         benchmark.pedantic(run, rounds=5, warmup_rounds=1)
     except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()  # so that the next case starts from an unfragmented pool
         benchmark.extra_info.update(N=n, H=h, impl=impl, result="out of memory")
         pytest.skip(f"{impl} N={n} H={h}: out of memory")
     report_cuda(benchmark, f"grpo {impl} fwd+bwd", n, h, NOMINAL_FLOPS["both"], extra, cuda_tiles)

@@ -38,7 +38,7 @@ CANDIDATES = [
     ]),
     *(("backward", "atomic", "backward", tile(*t)) for t in [
         (128, 128, 32, 4, 4, 64), (128, 128, 64, 8, 3, 64), (64, 128, 64, 4, 3, 128),
-        (128, 256, 32, 8, 3, 64), (256, 128, 32, 8, 3, 64),
+        (128, 256, 32, 8, 2, 64), (256, 128, 32, 8, 2, 64),
     ]),
     *(("backward", "slabs", "dlogits", tile(*t)) for t in [
         (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 32, 8, 3),
@@ -114,25 +114,43 @@ def main() -> None:
     ref = torch_backend(d)
     nhv = args.n * args.h * V
     flops = {"forward": 2 * nhv, "backward": 6 * nhv}
-    results = [try_candidate(*c, d, ref, flops[c[0]]) for c in CANDIDATES]
-    chosen = {"tiles": {}, "backward_variant": tiles.BACKWARD_VARIANT}
+    results = []
+    for candidate in CANDIDATES:
+        results.append(try_candidate(*candidate, d, ref, flops[candidate[0]]))
+        if args.out:  # after each candidate: a run cut short still leaves what it measured
+            write(args.out, choose(results), results)
+    chosen = choose(results)
     print(f"\ntile sweep N={args.n} H={args.h} V={V} bf16 (first row of each stage: committed)")
     for stage in ("forward", "backward"):
         for r in (r for r in results if r["stage"] == stage):
             timing = f"{r['ms']:8.2f} ms {r['tflops']:5.0f} TFLOP/s" if "ms" in r else "failed"
             flag = "" if r["ok"] else "  REJECTED " + r.get("error", f"error {r.get('rel_err')}")
             print(f"{stage:>8} {r['variant'] or '':<6} {r['tiles']} {timing}{flag}")
+        best = chosen["best"].get(stage)
+        if best:
+            print(f"{stage:>8} best: {best['variant'] or ''} {best['tiles']} "
+                  f"{best['tflops']:.0f} TFLOP/s")  # fmt: skip
+    if args.out:
+        write(args.out, chosen, results)
+
+
+def choose(results: list[dict]) -> dict:
+    """The fastest correct candidate of each stage, as the tile entries and variant to use."""
+    chosen = {"tiles": {}, "backward_variant": tiles.BACKWARD_VARIANT, "best": {}}
+    for stage in ("forward", "backward"):
         good = [r for r in results if r["stage"] == stage and r["ok"]]
         if good:
             fastest = min(good, key=lambda r: r["ms"])
+            chosen["best"][stage] = fastest
             chosen["tiles"][fastest["entry"]] = fastest["tiles"]
             if stage == "backward":
                 chosen["backward_variant"] = fastest["variant"]
-            print(f"{stage:>8} best: {fastest['variant'] or ''} {fastest['tiles']} "
-                  f"{fastest['tflops']:.0f} TFLOP/s")  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**chosen, "results": results}, f, indent=1)
+    return chosen
+
+
+def write(path: str, chosen: dict, results: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({**chosen, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
