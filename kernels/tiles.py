@@ -11,17 +11,28 @@ import torch
 
 from ._backend import tl, triton, triton_interpreting
 
-# Tile shapes and launch options per kernel on CUDA. Starting points: the forward is a GEMM with an
-# online log-sum-exp epilogue, for which Cut Cross-Entropy's published default is 256 x 128 x 32
-# on 8 warps, 3 stages; the atomic backward recomputes a 128 x 128 logit tile and then streams H
-# in wider slices (BLOCK_H_OUT) for its two output products; the slab backward's kernel is a GEMM
-# with an elementwise epilogue and a bf16 store.
+# Tile shapes and launch options per kernel on CUDA, for 16-bit inputs: the largest shapes
+# whose sm_90 build keeps every value in registers (bench/gpu/compile_check.py reports registers,
+# stack and shared memory per shape without a GPU). The forward is a GEMM tile with an online
+# log-sum-exp epilogue; the atomic backward recomputes a logit tile and then streams H in slices
+# of BLOCK_H_OUT for its two output products; the slab backward's kernel is a GEMM tile with an
+# elementwise epilogue and a 16-bit store. Cut Cross-Entropy's published 256 x 128 x 32 forward
+# and 4-warp 128 x 128 backward spill here (832 and 344 stack bytes a thread): this epilogue
+# keeps more tiles live.
 CUDA_TILES: dict[str, dict[str, int]] = {
-    "forward": dict(BLOCK_N=256, BLOCK_V=128, BLOCK_H=32, num_warps=8, num_stages=3),
+    "forward": dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
     "backward": dict(
-        BLOCK_N=128, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=64, num_warps=4, num_stages=4
+        BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, BLOCK_H_OUT=64, num_warps=8, num_stages=3
     ),
-    "dlogits": dict(BLOCK_N=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
+    "dlogits": dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
+}
+# fp32 inputs: their exact ("ieee") dots run on the CUDA cores, whose accumulators take far more
+# registers than a tensor-core tile's; these smaller shapes build without spilling and within a
+# Hopper block's 227 KB of shared memory (the 16-bit shapes spill 13-17 KB a thread in fp32).
+CUDA_TILES_FP32: dict[str, dict[str, int]] = {
+    "forward": dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=2),
+    "backward": dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, BLOCK_H_OUT=32, num_warps=4, num_stages=2),
+    "dlogits": dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=2),
 }
 # The interpreter's cost is per operation, not per element, so fewer, larger tiles run faster;
 # these still leave partial row, vocabulary and hidden tiles at the test shapes.
@@ -40,18 +51,10 @@ GROUP_N = 8
 BACKWARD_VARIANT = "atomic"
 
 
-# fp32 operands take twice the shared memory per pipeline stage: the atomic backward's 16-bit
-# shape needs 270 KB at 4 stages in fp32, over a Hopper block's 227 KB, and fits at 3.
-FP32_MAX_STAGES = {"backward": 3}
-
-
 def tiles_for(device: torch.device, kernel: str, dtype: torch.dtype) -> dict[str, int]:
     if device.type == "cpu" and triton_interpreting():
         return dict(INTERPRETER_TILES[kernel])
-    cfg = dict(CUDA_TILES[kernel])
-    if dtype == torch.float32 and kernel in FP32_MAX_STAGES:
-        cfg["num_stages"] = min(cfg["num_stages"], FP32_MAX_STAGES[kernel])
-    return cfg
+    return dict((CUDA_TILES_FP32 if dtype == torch.float32 else CUDA_TILES)[kernel])
 
 
 def upcast_dot_operands(device: torch.device, dtype: torch.dtype) -> bool:

@@ -310,13 +310,15 @@ def test_triton_grouped_program_order(monkeypatch, group_n):
     check_against_truth("triton", 123, 16, 4099, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("variant", ["atomic", "slabs"])
-def test_triton_cuda_tile_shapes(monkeypatch, variant):
-    """The CUDA tile table's shapes (wider output slices than the recompute's), in the
-    interpreter: a partial 256-row tile and partial hidden slices of both widths."""
+def test_triton_cuda_tile_shapes(monkeypatch, variant, dtype):
+    """The CUDA tile tables' shapes, in the interpreter: partial row tiles and partial hidden
+    slices at each width the tables use."""
+    table = tiles.CUDA_TILES_FP32 if dtype == torch.float32 else tiles.CUDA_TILES
     monkeypatch.setattr(tiles, "BACKWARD_VARIANT", variant)
-    monkeypatch.setattr(tiles, "INTERPRETER_TILES", tiles.CUDA_TILES)
-    check_against_truth("triton", 300, 67, 1001, torch.bfloat16, "cpu")
+    monkeypatch.setattr(tiles, "INTERPRETER_TILES", table)
+    check_against_truth("triton", 300, 67, 1001, dtype, "cpu")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -327,12 +329,3 @@ def test_triton_slab_backward_matches_fp64_truth(monkeypatch, n, h, v, dtype, de
     monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "slabs")
     monkeypatch.setattr(logprob_slabs, "SLAB_BYTES", 40 * v * 2)
     check_against_truth("triton", n, h, v, dtype, device)
-
-
-def test_fp32_tiles_fit_a_hopper_block():
-    """fp32 operands double the shared memory per stage: the atomic backward's 4-stage 16-bit
-    shape (270 KB in fp32) must drop to 3 stages to fit 227 KB; 16-bit inputs keep the table's."""
-    cuda = torch.device("cuda")
-    assert tiles.tiles_for(cuda, "backward", torch.float32)["num_stages"] <= 3
-    assert tiles.tiles_for(cuda, "backward", torch.bfloat16) == tiles.CUDA_TILES["backward"]
-    assert tiles.tiles_for(cuda, "forward", torch.float32) == tiles.CUDA_TILES["forward"]

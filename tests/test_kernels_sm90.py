@@ -1,0 +1,37 @@
+"""The committed CUDA tile shapes build for a Hopper GPU and fit its shared memory, checked on a
+machine without one: bench/gpu/compile_check.py compiles the real kernels for sm_90 through
+Triton's ahead-of-time path (ptxas included) in a subprocess, since this process runs Triton's
+interpreter, which compiles nothing."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[1]
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PTXAS.exists(), reason="this Triton carries no ptxas to build for sm_90")
+def test_committed_tiles_build_for_sm90_within_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu" / "compile_check.py")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    built = {(r["kernel"], r["dtype"]) for r in reports}
+    assert built == {
+        (kernel, dtype)
+        for kernel in ("forward", "backward", "dlogits")
+        for dtype in ("bfloat16", "float32")
+    }, run.stderr[-2000:]
+    for r in reports:
+        assert "error" not in r, r
+        assert 0 < r["shared_bytes"] <= 232_448, r
+    assert run.returncode == 0, run.stderr[-2000:]
