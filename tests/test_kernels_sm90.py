@@ -1,5 +1,6 @@
-"""The committed CUDA tile shapes build for a Hopper GPU and fit its shared memory, checked on a
-machine without one: bench/gpu/compile_check.py compiles the real kernels for sm_90 through
+"""The committed CUDA tile shapes build for a Hopper GPU, fit its shared memory, put 16-bit matrix
+work on its warpgroup MMA and add gradients with vector reductions, checked on a machine without
+one: bench/gpu/compile_check.py compiles the real kernels for sm_90 through
 Triton's ahead-of-time path (ptxas included) in a subprocess, since this process runs Triton's
 interpreter, which compiles nothing."""
 
@@ -34,4 +35,8 @@ def test_committed_tiles_build_for_sm90_within_shared_memory():
     for r in reports:
         assert "error" not in r, r
         assert 0 < r["shared_bytes"] <= 232_448, r
+        if r["dtype"] == "bfloat16":  # matrix work on Hopper's warpgroup MMA, not the old path
+            assert r["hgmma"] > 0 and r["hmma"] == 0, r
+        if r["kernel"] == "backward":  # dX and dW added 16 bytes at a time
+            assert r["vector_reductions"] > 0 and r["scalar_reductions"] == 0, r
     assert run.returncode == 0, run.stderr[-2000:]

@@ -10,7 +10,8 @@ differ by a stage's worth.
 
 Run with the interpreter off: `TRITON_INTERPRET=0 python bench/gpu/compile_check.py` for the
 committed tiles (bf16 and fp32), `... --sweep` for every candidate of bench/gpu/sweep_tiles.py.
-Prints one JSON object per kernel; exits 1 when any does not compile or does not fit.
+Prints one JSON object per kernel (with the SASS's count of Hopper MMAs and vector reductions);
+exits 1 when any does not compile or does not fit.
 """
 
 from __future__ import annotations
@@ -77,16 +78,27 @@ def compile_for_sm90(entry: str, shape: dict, dtype: str) -> dict:
 
 
 def _resource_usage(cubin: bytes) -> dict:
-    """Registers and stack bytes per thread, from the cuobjdump that ships with Triton."""
+    """Registers and stack bytes per thread, and the instructions that say which path the
+    matrix work and the atomics took, from the cuobjdump that ships with Triton: HGMMA is
+    Hopper's warpgroup MMA (HMMA alone would be the older, slower path), REDG...F32x4 a 16-byte
+    vector reduction (REDG...F32 a scalar one)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run(
-            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
-        ).stdout
-    found = dict(re.findall(r"\b(REG|STACK):(\d+)", out))
-    return {"registers": int(found.get("REG", -1)), "stack_bytes": int(found.get("STACK", -1))}
+        usage, sass = (
+            subprocess.run([str(tool), flag, f.name], capture_output=True, text=True).stdout
+            for flag in ("--dump-resource-usage", "--dump-sass")
+        )
+    found = dict(re.findall(r"\b(REG|STACK):(\d+)", usage))
+    return {
+        "registers": int(found.get("REG", -1)),
+        "stack_bytes": int(found.get("STACK", -1)),
+        "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
+        "hmma": len(re.findall(r"\bHMMA\.", sass)),
+        "vector_reductions": len(re.findall(r"\bREDG\.\S*F32x4", sass)),
+        "scalar_reductions": len(re.findall(r"\bREDG\.\S*F32\.", sass)),
+    }
 
 
 def committed_shapes() -> list[tuple[str, dict, str]]:
