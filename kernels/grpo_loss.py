@@ -50,6 +50,8 @@ METRIC_NAMES = (
     "tokens",
 )
 NUM_METRIC_SUMS = len(METRIC_NAMES)
+# Tokens per program of the elementwise kernel (launched with Triton's default 4 warps).
+BLOCK = 1024
 _MAX_SLOT = METRIC_NAMES.index("ratio_max")
 _COUNT_SLOT = METRIC_NAMES.index("tokens")
 
@@ -165,7 +167,7 @@ def _grpo_forward_triton(
     dual_clip, tis_cap,
 ):  # fmt: skip
     n = logp.shape[0]
-    block = 1024
+    block = BLOCK
     programs = max(1, triton.cdiv(n, block))
     grad = torch.empty(n, dtype=torch.float32, device=logp.device)
     loss_partial = torch.empty(programs, dtype=torch.float32, device=logp.device)

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import triton
 from rlmtrain.kernels import logprob, logprob_slabs, tiles
+from rlmtrain.kernels.grpo_loss import BLOCK as GRPO_BLOCK
+from rlmtrain.kernels.grpo_loss import NUM_METRIC_SUMS, _grpo_loss_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -36,10 +38,17 @@ KERNELS = {
     "forward": logprob._logprob_fwd_kernel,
     "backward": logprob._logprob_bwd_kernel,
     "dlogits": logprob_slabs._dlogits_kernel,
+    "grpo_loss": _grpo_loss_kernel,
 }
 TRITON_TYPES = {"bfloat16": "bf16", "float32": "fp32"}
-# Flags as training launches them: entropy on in the forward, both gradients in the backward.
-FLAGS = dict(WITH_ENTROPY=True, NEED_DX=True, NEED_DW=True, UPCAST_DOT=False)
+# Flags as training launches them, with every option on: entropy in the forward, both gradients
+# in the backward, and the GRPO loss's KL, dual clip and truncated importance sampling.
+FLAGS = dict(
+    WITH_ENTROPY=True, NEED_DX=True, NEED_DW=True, UPCAST_DOT=False, HAS_REF=True,
+    KL_IN_LOSS=True, HAS_DUAL=True, HAS_SAMPLER=True, HAS_CAP=True,
+    NUM_SUMS=NUM_METRIC_SUMS,
+)  # fmt: skip
+FLOAT_ARGS = ("inv_t", "beta", "clip_low", "clip_high", "dual_clip", "tis_cap")
 UNIT_STRIDES = ("stride_xh", "stride_wh")  # contiguous inputs: a launch folds these to 1
 # Integers a training launch passes as multiples of 16 (H = 2560 or 4096, V = 151936, and the
 # row strides they make), which a launch marks so that loads vectorise and pipeline.
@@ -63,7 +72,7 @@ def compile_for_sm90(entry: str, shape: dict, dtype: str) -> dict:
             signature[name] = "*i64" if name == "T_ptr" else f"*{elem}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "inv_t" else "i32"
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
             if name in ALIGNED_INTS:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     report = dict(kernel=entry, dtype=dtype, tiles=shape)
@@ -103,11 +112,13 @@ def _resource_usage(cubin: bytes) -> dict:
 
 def committed_shapes() -> list[tuple[str, dict, str]]:
     cuda = torch.device("cuda")  # only names the table to read; no device is touched
-    return [
+    linear = [
         (entry, tiles.tiles_for(cuda, entry, getattr(torch, dtype)), dtype)
-        for entry in KERNELS
+        for entry in ("forward", "backward", "dlogits")
         for dtype in TRITON_TYPES
     ]
+    grpo = dict(BLOCK=GRPO_BLOCK, num_warps=4, num_stages=3)  # Triton's launch defaults
+    return [*linear, ("grpo_loss", grpo, "float32")]
 
 
 def sweep_shapes() -> list[tuple[str, dict, str]]:
