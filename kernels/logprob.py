@@ -134,19 +134,12 @@ def _logprob_bwd_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_H_OUT: tl.constexpr,
 ):
-    pid_n, pid_v = grouped_tile(tl.program_id(0), n_row_tiles, n_vocab_tiles, GROUP_N)
-    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_mask = rows < N
-    col_mask = cols < V
-    z = logit_tile(
-        X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
-        stride_wh, inv_t, UPCAST_DOT, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+    rows, cols, row_mask, col_mask, dz = grad_logit_tile(
+        X_ptr, W_ptr, T_ptr, LSE_ptr, MEANZ_ptr, G_ptr, GE_ptr, N, V, H, stride_xn, stride_xh,
+        stride_wv, stride_wh, inv_t, n_row_tiles, n_vocab_tiles, WITH_ENTROPY, UPCAST_DOT,
+        DOT_PRECISION, GROUP_N, BLOCK_N, BLOCK_V, BLOCK_H,
     )  # fmt: skip
-    dz = grad_logit_tile(
-        z, rows, cols, row_mask, col_mask, T_ptr, LSE_ptr, MEANZ_ptr, G_ptr, GE_ptr, inv_t,
-        WITH_ENTROPY,
-    ).to(X_ptr.dtype.element_ty)  # fmt: skip
+    dz = dz.to(X_ptr.dtype.element_ty)
     if UPCAST_DOT:
         dz = dz.to(tl.float32)
 

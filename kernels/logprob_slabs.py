@@ -19,7 +19,7 @@ import torch
 
 from . import tiles
 from ._backend import tl, triton
-from .tiles import grad_logit_tile, grouped_tile, logit_tile
+from .tiles import grad_logit_tile
 
 __all__ = ["SLAB_BYTES", "accumulate_grads"]
 
@@ -57,18 +57,10 @@ def _dlogits_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    pid_n, pid_v = grouped_tile(tl.program_id(0), n_row_tiles, n_vocab_tiles, GROUP_N)
-    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_mask = rows < N
-    col_mask = cols < V
-    z = logit_tile(
-        X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
-        stride_wh, inv_t, UPCAST_DOT, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
-    )  # fmt: skip
-    dz = grad_logit_tile(
-        z, rows, cols, row_mask, col_mask, T_ptr, LSE_ptr, MEANZ_ptr, G_ptr, GE_ptr, inv_t,
-        WITH_ENTROPY,
+    rows, cols, row_mask, col_mask, dz = grad_logit_tile(
+        X_ptr, W_ptr, T_ptr, LSE_ptr, MEANZ_ptr, G_ptr, GE_ptr, N, V, H, stride_xn, stride_xh,
+        stride_wv, stride_wh, inv_t, n_row_tiles, n_vocab_tiles, WITH_ENTROPY, UPCAST_DOT,
+        DOT_PRECISION, GROUP_N, BLOCK_N, BLOCK_V, BLOCK_H,
     )  # fmt: skip
     tl.store(
         DZ_ptr + rows[:, None] * stride_dz + cols[None, :],

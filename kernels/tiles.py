@@ -122,11 +122,23 @@ def logit_tile(
 
 @triton.jit
 def grad_logit_tile(
-    z, rows, cols, row_mask, col_mask, T_ptr, LSE_ptr, MEANZ_ptr, G_ptr, GE_ptr, inv_t,
-    WITH_ENTROPY: tl.constexpr,
+    X_ptr, W_ptr, T_ptr, LSE_ptr, MEANZ_ptr, G_ptr, GE_ptr, N, V, H, stride_xn, stride_xh,
+    stride_wv, stride_wh, inv_t, n_row_tiles, n_vocab_tiles,
+    WITH_ENTROPY: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """dLoss/d(logits before the temperature) of one tile from its tempered logits z:
-    (g * (onehot - p) + g_H * p * (E_p[z] - z)) / T, in fp32."""
+    """This program's (row tile, vocabulary tile) of dLoss/d(logits before the temperature),
+    recomputed from hidden and weight: (g * (onehot - p) + g_H * p * (E_p[z] - z)) / T in fp32.
+    Both backward variants start here. Returns (rows, cols, row_mask, col_mask, dz)."""
+    pid_n, pid_v = grouped_tile(tl.program_id(0), n_row_tiles, n_vocab_tiles, GROUP_N)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_mask = rows < N
+    col_mask = cols < V
+    z = logit_tile(
+        X_ptr, W_ptr, rows, cols, row_mask, col_mask, H, stride_xn, stride_xh, stride_wv,
+        stride_wh, inv_t, UPCAST_DOT, DOT_PRECISION, BLOCK_N, BLOCK_V, BLOCK_H,
+    )  # fmt: skip
     t = tl.load(T_ptr + rows, mask=row_mask, other=-1)
     lse = tl.load(LSE_ptr + rows, mask=row_mask, other=0.0)
     g = tl.load(G_ptr + rows, mask=row_mask, other=0.0)
@@ -136,4 +148,4 @@ def grad_logit_tile(
         ge = tl.load(GE_ptr + rows, mask=row_mask, other=0.0)
         mean_z = tl.load(MEANZ_ptr + rows, mask=row_mask, other=0.0)
         dz += ge[:, None] * p * (mean_z[:, None] - z)
-    return dz * inv_t
+    return rows, cols, row_mask, col_mask, dz * inv_t
