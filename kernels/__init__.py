@@ -7,21 +7,23 @@ same dtype as hidden: bf16, fp16 or fp32), targets [N] int token ids; every per-
 
     fused_linear_logprob(hidden, weight, targets, *, temperature=1.0, return_entropy=False,
                          ignore_index=-100, impl="auto") -> logp [N] (, entropy [N])
-    grpo_loss(logp, old_logp, advantages, weights, *, ref_logp=None, beta=0.0, clip_low=0.2,
-              clip_high=0.2, dual_clip=None, sampler_logp=None, tis_cap=None, impl="auto")
-              -> (loss [], GRPOMetrics)
-    fused_linear_grpo_loss(hidden, weight, targets, old_logp, advantages, weights, *, <grpo
-              options>, temperature=1.0, ignore_index=-100, return_entropy=False, impl="auto")
-              -> (loss [], GRPOMetrics (, entropy [N]))
+    grpo_loss(logp, old_logp | None, advantages, weights, *, ref_logp=None, beta=0.0,
+              clip_low=0.2, clip_high=0.2, dual_clip=None, sampler_logp=None, tis_cap=None,
+              impl="auto") -> (loss [], GRPOMetrics)
+    fused_linear_grpo_loss(hidden, weight, targets, old_logp | None, advantages, weights, *,
+              <grpo options>, temperature=1.0, ignore_index=-100, return_entropy=False,
+              impl="auto") -> (loss [], GRPOMetrics (, entropy [N]))
     fused_linear_nll(hidden, weight, targets, weights, *, temperature=1.0, ignore_index=-100,
                      return_entropy=False, impl="auto") -> loss [] (, entropy [N])
 
 impl: "triton" runs the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) and raises
 `KernelBackendUnavailable` where it cannot; "torch" runs the chunked torch backend; "auto" picks
 Triton on CUDA and torch elsewhere. All ops are torch.library custom ops, so torch.compile traces
-callers without graph breaks. Rows whose target is `ignore_index` never reach the head
-(`rows.TrainedRows`). The Triton backward's tiles and variant live in `tiles`; its optional
-"slabs" variant (`logprob_slabs`) holds a slab of logit gradients bounded by `SLAB_BYTES`.
+callers without graph breaks. old_logp=None means pi_old is the detached current policy (one
+update per rollout batch; the ratio is 1, its gradient the policy gradient). Rows whose target is
+`ignore_index` never reach the head (`rows.TrainedRows`). The Triton backward's tiles and variant
+live in `tiles`; its optional "slabs" variant (`logprob_slabs`) holds a slab of logit gradients
+bounded by `SLAB_BYTES`.
 """
 
 if __name__ != "rlmtrain.kernels":

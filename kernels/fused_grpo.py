@@ -9,6 +9,10 @@ the elementwise GRPO kernel and the log-prob backward kernel back to back. No [N
 exists on either path. When no gradient is wanted (no_grad, frozen inputs) nothing beyond the
 loss is computed.
 
+`old_logp=None` (pi_old = the detached current policy) costs no second pass over the head: inside
+the op, old_logp is the forward's own log-probs, which autograd never sees, so the ratio is exactly
+1 in value and its gradient is the policy gradient.
+
 Rows whose target is `ignore_index` count as weight 0 (no loss, no metric, no gradient) and never
 reach the head (`rows.TrainedRows`).
 """
@@ -43,7 +47,7 @@ def _linear_grpo_fwd(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     weights: torch.Tensor,
     ref_logp: torch.Tensor | None,
@@ -73,9 +77,12 @@ def _linear_grpo_fwd(
     if impl == "torch":
 
         def token_grad(rows: slice, logp_rows: torch.Tensor) -> torch.Tensor:
-            pick = [t[rows] if t is not None else None for t in (ref_logp, sampler_logp)]
+            # old_logp None stays None: reference.grpo_forward then reads old = logp_rows.
+            old, ref, sampler = (
+                t[rows] if t is not None else None for t in (old_logp, ref_logp, sampler_logp)
+            )
             _, grad, _ = reference.grpo_forward(
-                logp_rows, old_logp[rows], advantages[rows], weights[rows], *pick, **grpo
+                logp_rows, old, advantages[rows], weights[rows], ref, sampler, **grpo
             )
             return grad
 
@@ -157,7 +164,7 @@ def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     weights: torch.Tensor,
     *,
@@ -180,6 +187,9 @@ def fused_linear_grpo_loss(
             `ignore_index` (such rows count as weight 0).
         old_logp, advantages, weights, ref_logp, sampler_logp: [N] per-token tensors, as in
             `grpo_loss`; options beta, clip_low, clip_high, dual_clip, tis_cap likewise.
+            old_logp=None takes pi_old to be the detached current policy (one update per
+            rollout batch): the same loss and gradients as passing the no-grad
+            `fused_linear_logprob` of these inputs, without that second pass over the head.
         temperature: divides the logits before the softmax.
         return_entropy: also return the per-token entropy [N] fp32 (a diagnostic: detached).
         impl: "triton" | "torch" | "auto".
@@ -208,7 +218,7 @@ def fused_linear_grpo_loss(
         hidden.contiguous(),
         weight.contiguous(),
         targets.contiguous(),
-        old_logp.detach(),
+        old_logp.detach() if old_logp is not None else None,
         advantages.detach(),
         weights.detach(),
         ref_logp.detach() if ref_logp is not None else None,

@@ -8,6 +8,11 @@ Per token t with ratio rho = exp(logp - old_logp):
     kl   = exp(ref - logp) - (ref - logp) - 1             k3 (Schulman, "Approximating KL")
     l    = tis * pg + beta * kl
     loss = sum_t weights_t * l_t
+`old_logp=None` makes pi_old the detached current policy, for one optimizer update per rollout
+batch (TRL's GRPO does the same with `per_token_logps.detach()` when num_iterations == 1): rho is
+exactly 1 in value while drho/dlogp = 1, so pg = -A with dpg/dlogp = -A (no clip or dual clip
+binds; the clip metrics read 0), tis = exp(logp - sampler_logp) carries no gradient, and the
+trainer needs no second forward for old_logp.
 The truncated importance-sampling factor corrects for the engine's sampler differing from the
 trainer; it scales the policy term only (as verl and Liger do) and carries no gradient. All the
 trajectory-tree normalisation lives in `weights` (one fp32 weight per token, SPEC §4), so the loss
@@ -109,6 +114,7 @@ def _grpo_loss_kernel(
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
+    # With old_logp=None the host passes LOGP_ptr here too: ratio = exp(0) = 1 exactly.
     logp = tl.load(LOGP_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     old = tl.load(OLD_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     adv = tl.load(ADV_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -174,7 +180,7 @@ def _grpo_forward_triton(
     metric_partial = torch.empty(programs, NUM_METRIC_SUMS, dtype=torch.float32, device=logp.device)
     _grpo_loss_kernel[(programs,)](
         logp.contiguous(),
-        old_logp.contiguous(),
+        old_logp.contiguous() if old_logp is not None else logp,
         advantages.contiguous(),
         weights.contiguous(),
         ref_logp.contiguous() if ref_logp is not None else logp,
@@ -205,7 +211,10 @@ def grpo_forward(
     logp, old_logp, advantages, weights, ref_logp, sampler_logp, *, beta, clip_low, clip_high,
     dual_clip, tis_cap, impl,
 ):  # fmt: skip
-    """(loss [], dLoss/dlogp [N], metric sums) by the chosen backend; used by the fused op too."""
+    """(loss [], dLoss/dlogp [N], metric sums) by the chosen backend; used by the fused op too.
+
+    old_logp=None: pi_old is the detached current policy (old = logp, the ratio exactly 1).
+    """
     backend = reference.grpo_forward if impl == "torch" else _grpo_forward_triton
     return backend(
         logp,
@@ -225,7 +234,7 @@ def grpo_forward(
 @torch.library.custom_op("rlmtrain_kernels::grpo_loss_fwd", mutates_args=())
 def _grpo_loss_op(
     logp: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     weights: torch.Tensor,
     ref_logp: torch.Tensor | None,
@@ -319,7 +328,7 @@ def check_token_tensors(op: str, n: int, device: torch.device, **tensors) -> Non
 
 def grpo_loss(
     logp: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     weights: torch.Tensor,
     *,
@@ -337,7 +346,9 @@ def grpo_loss(
     Args:
         logp: [N] log-probs under the current policy (any float dtype); the only input that
             receives a gradient.
-        old_logp: [N] log-probs of the policy that produced the rollouts (trainer-side).
+        old_logp: [N] log-probs of the policy that produced the rollouts (trainer-side), or
+            None for the detached current policy (`logp.detach()`, one update per rollout
+            batch): the ratio is then 1 and the clip metrics read 0.
         advantages: [N] per-token advantages.
         weights: [N] fp32 per-token loss weights (0 drops a token, also from the metrics).
         ref_logp: [N] reference-policy log-probs for the k3 KL; required when beta != 0.
@@ -365,7 +376,8 @@ def grpo_loss(
     backend = resolve_impl(impl, logp.device, "grpo_loss")
     options = (beta, clip_low, clip_high, dual_clip, tis_cap, backend)
     detached = [t.detach() if t is not None else None for t in (ref_logp, sampler_logp)]
+    old = old_logp.detach() if old_logp is not None else None
     loss, sums = GRPOLossFunction.apply(
-        logp, old_logp.detach(), advantages.detach(), weights.detach(), *detached, options
+        logp, old, advantages.detach(), weights.detach(), *detached, options
     )
     return loss, finalize_metrics(sums)

@@ -329,7 +329,7 @@ def linear_logprob_row_grads(
 
 def grpo_forward(
     logp: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     weights: torch.Tensor,
     ref_logp: torch.Tensor | None,
@@ -345,13 +345,15 @@ def grpo_forward(
 
     Returns (loss [] fp32, dLoss/dlogp [N] fp32, metric sums [NUM_METRIC_SUMS] fp32) where the
     metric sums are those the Triton kernel reduces; `grpo_loss.finalize_metrics` turns them into
-    averages.
+    averages. `old_logp=None` takes pi_old to be the current policy: old = logp (no autograd
+    here, so it is the detached value), the ratio is exactly 1 and dratio/dlogp = 1.
     """
     n = logp.shape[0]
     logp = logp.float()
+    old_logp = logp if old_logp is None else old_logp.float()
     adv = advantages.float()
     w = weights.float()
-    ratio = torch.exp(logp - old_logp.float())
+    ratio = torch.exp(logp - old_logp)
     low, high = 1.0 - clip_low, 1.0 + clip_high
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(low, high)
@@ -365,7 +367,7 @@ def grpo_forward(
         dpg = torch.where(dual_active, 0.0, dpg)
     tis_clipped = torch.zeros_like(take_unclipped)
     if sampler_logp is not None:
-        tis = torch.exp(old_logp.float() - sampler_logp.float())
+        tis = torch.exp(old_logp - sampler_logp.float())
         if tis_cap is not None:
             tis_clipped = tis > tis_cap
             tis = tis.clamp(max=tis_cap)
