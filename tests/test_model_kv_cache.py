@@ -143,8 +143,9 @@ def test_full_cache_raises_without_changing_state():
     model = make_model()
     cache = KVCache.for_model(model, capacity_tokens=32, page_size=PAGE)
     model.prefill(cache, [0], [torch.arange(24)])
+    # Tokens unlike sequence 0's: arange(9) would share its first page and fit.
     with pytest.raises(CacheFull, match="needs 2 pages, 1 are free"):
-        model.prefill(cache, [1], [torch.arange(9)])
+        model.prefill(cache, [1], [torch.arange(100, 109)])
     assert 1 not in cache and cache.free_tokens == 8
     model.prefill(cache, [1], [torch.arange(8)])
     with pytest.raises(CacheFull, match="decode step needs 1 new pages, 0 are free"):

@@ -1,20 +1,44 @@
-"""Paged KV cache with a fixed token capacity, and the prefill and decode steps over it.
+"""Paged KV cache with automatic prefix caching, and the prefill and decode steps over it.
 
 Layout: the capacity is cut into pages of `page_size` token slots. Per layer there is one key and
-one value tensor `[num_pages * page_size, Hkv, D]`. A sequence owns a list of pages, its page
-table; its token i lives in slot `pages[i // page_size] * page_size + i % page_size`. Admitting a
-sequence takes pages for its prompt, decoding takes one more page each time a sequence crosses a
-page boundary, evicting returns all its pages to the free list. Pages rather than one contiguous
-range per sequence so that any freed capacity serves any later sequence without compaction (the
-PagedAttention layout, Kwon et al. 2023); the cost is one gather per layer at decode time.
+one value tensor `[num_pages * page_size, Hkv, D]`. A sequence holds a list of pages, its page
+table; its token i lives in slot `pages[i // page_size] * page_size + i % page_size`. Pages
+rather than one contiguous range per sequence so that any freed capacity serves any later
+sequence without compaction (the PagedAttention layout, Kwon et al. 2023); the cost is one gather
+per layer at attention time.
 
-Steps (both under `torch.no_grad`; a loop over layers, none over tokens or sequences):
-- `prefill` runs several new prompts as one packed batch through the training attention backend
-  (each prompt attends only to itself: admission never shares a prefix) and scatters their keys
-  and values into the slots.
+Prefix caching, the scheme of vLLM's automatic prefix caching. Every turn of every trajectory
+starts with the same system prompt (about 5.5k byte tokens for the evidence env) and repeats the
+trajectory's history, so most prompt tokens were computed before. A full page is named by a
+digest that chains its parent page's digest with its own token ids: equal digests mean equal
+whole prefixes, hence equal keys and values (the chain is a 128-bit BLAKE2b, not Python's
+`hash`: a collision would silently share wrong keys). Pages are reference-counted. Admitting a
+prompt shares its leading pages whose digests are cached and prefills only the rest; the last
+prompt token is always computed, since its hidden state gives the first sampled token. Prompts
+later in one `prefill` share the full pages an earlier prompt of the same batch computes.
+
+What keeps sharing safe: only full pages are shared, and a page is registered under its digest
+only once its keys and values are written (after the prefill or decode step that filled it), so
+a sequence writes only into pages it holds alone and nothing needs copy-on-write. Evicting a
+sequence drops its references; a page nobody references keeps its content and digest on an LRU
+list and is recycled (its digest forgotten) only when a page is needed and no unused page is
+left, so a prefix outlives its sequences until memory runs short. Both kinds of unreferenced page
+are free capacity (`free_pages`). `plan()` tells, without changing anything, which pages a batch
+of prompts would share and how many free pages it takes (new pages, plus cached ones it revives
+from the LRU list). `reset_prefix_cache()` forgets every digest: after a weight update the cached
+keys and values belong to the old weights.
+
+Steps (both under `torch.no_grad`; a loop over layers). Each layer first writes every new key and
+value into its slot, then attends, so a prompt may read pages another prompt of the batch has
+just written.
+- `prefill` runs the uncached suffixes of several new prompts as one packed batch. Prompts with
+  nothing cached attend to themselves through the training attention backend; a prompt with a
+  cached prefix runs one SDPA of its suffix queries, at their true positions, over the keys
+  gathered from its whole page table, causal aligned to the last key.
 - `decode` takes one token per sequence, writes its key and value into its slot, gathers every
-  sequence's keys through a padded slot table `[B, S_max]` and runs one batched SDPA per layer with
-  a length mask, so sequences of different lengths decode together.
+  sequence's pages through a padded page table `[B, P_max]` and runs one batched SDPA per layer
+  with a length mask, so sequences of different lengths decode together.
+Gathers copy whole pages into one reused workspace (see `_gather`).
 
 Running out of pages raises `CacheFull` before anything changes; the caller evicts and retries.
 The continuous-batching policy (who to admit, whom to evict) belongs to the engine, not here.
@@ -22,7 +46,11 @@ The continuous-batching policy (who to admit, whom to evict) belongs to the engi
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,15 +63,93 @@ from rlmtrain.model.presets import ModelArgs
 if TYPE_CHECKING:
     from rlmtrain.model.transformer import Transformer
 
-__all__ = ["CacheFull", "KVCache", "decode", "prefill"]
+__all__ = ["AdmissionPlan", "CacheFull", "KVCache", "decode", "prefill"]
+
+_ROOT = b""
+"""The parent digest of a sequence's first page."""
 
 
 class CacheFull(RuntimeError):
     """Not enough free pages for the requested tokens; evict sequences first."""
 
 
+def _digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+class _Sequence:
+    __slots__ = ("cached", "length", "pages", "parent", "tail")
+
+    def __init__(self, pages: list[int], length: int, cached: int, parent: bytes | None):
+        self.pages = pages
+        self.length = length
+        self.cached = cached
+        """Leading prompt tokens shared from the prefix cache at admission."""
+        self.parent = parent
+        """Digest of the last full page; None when this sequence registers no pages."""
+        self.tail: list[int] = []
+        """Token ids after the last full page (tracked only while `parent` is not None)."""
+
+
+class _Planned:
+    __slots__ = ("digests", "new_pages", "shared")
+
+    def __init__(self, digests: list[bytes]):
+        self.digests = digests
+        """Chained digests of the prompt's full pages."""
+        self.shared: list[int | tuple[int, int]] = []
+        """Its leading pages: a cached page, or (prompt, page index) that an earlier prompt of
+        the batch computes."""
+        self.new_pages = 0
+
+
+class AdmissionPlan:
+    """Where the pages of a batch of new prompts come from, judged against the cache as it is.
+
+    `add` plans one more prompt after those already added (it may share the full pages they will
+    compute) and returns how many of its leading tokens are cached; `pages` is how many of the
+    cache's free pages the whole batch takes. Planning changes nothing; `prefill` replans the
+    same prompts in the same order, so a plan that fits predicts that admission exactly.
+    """
+
+    def __init__(self, cache: KVCache):
+        self._cache = cache
+        self.prompts: list[_Planned] = []
+        self.pages = 0
+        self.revived: set[int] = set()
+        """Unreferenced cached pages the batch shares: they leave the LRU list."""
+        self._computed: dict[bytes, tuple[int, int]] = {}
+
+    def add(self, token_ids: Sequence[int]) -> int:
+        cache, size = self._cache, self._cache.page_size
+        n = len(token_ids)
+        digests = cache.page_digests(token_ids) if cache.prefix_caching else []
+        planned = _Planned(digests)
+        # At least the last token is computed: its hidden state gives the first sampled token.
+        for digest in digests[: (n - 1) // size]:
+            page = cache._page_of.get(digest)
+            if page is not None:
+                planned.shared.append(page)
+                if cache._refs[page] == 0 and page not in self.revived:
+                    self.revived.add(page)
+                    self.pages += 1
+            elif digest in self._computed:
+                planned.shared.append(self._computed[digest])
+            else:
+                break
+        planned.new_pages = math.ceil(n / size) - len(planned.shared)
+        self.pages += planned.new_pages
+        index = len(self.prompts)
+        for j in range(len(planned.shared), len(digests)):
+            if digests[j] not in cache._page_of:
+                self._computed.setdefault(digests[j], (index, j))
+        self.prompts.append(planned)
+        return len(planned.shared) * size
+
+
 class KVCache:
-    """Keys and values of up to `capacity_tokens` tokens, in pages of `page_size` slots."""
+    """Keys and values of up to `capacity_tokens` tokens, in pages of `page_size` slots, with
+    full pages shared between sequences by prefix digest unless `prefix_caching` is False."""
 
     def __init__(
         self,
@@ -51,6 +157,7 @@ class KVCache:
         capacity_tokens: int,
         *,
         page_size: int = 16,
+        prefix_caching: bool = True,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
@@ -60,112 +167,242 @@ class KVCache:
             )
         self.page_size = page_size
         self.num_pages = capacity_tokens // page_size
+        self.prefix_caching = prefix_caching
         shape = (args.num_layers, self.num_pages * page_size, args.num_kv_heads, args.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        # A stack: pop() hands out the lowest free page, evict() pushes pages back on top.
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))
-        self._pages: dict[int, list[int]] = {}
-        self._lengths: dict[int, int] = {}
+        self._refs = [0] * self.num_pages
+        # Unreferenced pages holding nothing cached: a stack, pop() hands out the lowest first.
+        self._unused = list(range(self.num_pages - 1, -1, -1))
+        # Unreferenced pages still registered under their digest, least recently released first.
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._page_of: dict[bytes, int] = {}
+        self._digest_of: dict[int, bytes] = {}
+        self._seqs: dict[int, _Sequence] = {}
+        self._workspace: Tensor | None = None
 
     @classmethod
-    def for_model(cls, model: Transformer, capacity_tokens: int, *, page_size: int = 16) -> KVCache:
+    def for_model(
+        cls,
+        model: Transformer,
+        capacity_tokens: int,
+        *,
+        page_size: int = 16,
+        prefix_caching: bool = True,
+    ) -> KVCache:
         """A cache in the model's dtype and on its device."""
         weight = model.embed_tokens.weight
         return cls(
             model.args,
             capacity_tokens,
             page_size=page_size,
+            prefix_caching=prefix_caching,
             dtype=weight.dtype,
             device=weight.device,
         )
 
+    # -- capacity -----------------------------------------------------------------------------
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no sequence references: unused ones, and cached ones not yet recycled."""
+        return len(self._unused) + len(self._lru)
+
     @property
     def free_tokens(self) -> int:
-        return len(self._free_pages) * self.page_size
+        return self.free_pages * self.page_size
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages registered under a prefix digest, referenced or not."""
+        return len(self._page_of)
 
     def can_admit(self, num_tokens: int) -> bool:
-        """Whether a new sequence of `num_tokens` tokens fits in the free pages now."""
-        return math.ceil(num_tokens / self.page_size) <= len(self._free_pages)
+        """Whether a new sequence of `num_tokens` tokens fits in the free pages now, sharing
+        nothing (`plan()` counts what sharing saves)."""
+        return math.ceil(num_tokens / self.page_size) <= self.free_pages
+
+    def plan(self) -> AdmissionPlan:
+        """An empty plan to `add` new prompts to; see `AdmissionPlan`."""
+        return AdmissionPlan(self)
+
+    def page_digests(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The chained digests of the full pages of a sequence starting with `token_ids`."""
+        digests, parent, size = [], _ROOT, self.page_size
+        for start in range(0, len(token_ids) - size + 1, size):
+            parent = _digest(parent, token_ids[start : start + size])
+            digests.append(parent)
+        return digests
+
+    # -- sequences ----------------------------------------------------------------------------
 
     def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._pages
+        return seq_id in self._seqs
 
     def length(self, seq_id: int) -> int:
         """Tokens cached for `seq_id`."""
-        return self._lengths[self._known(seq_id)]
+        return self._seq(seq_id).length
 
     def pages(self, seq_id: int) -> tuple[int, ...]:
         """The page table of `seq_id`, in token order."""
-        return tuple(self._pages[self._known(seq_id)])
+        return tuple(self._seq(seq_id).pages)
+
+    def cached_tokens(self, seq_id: int) -> int:
+        """Leading prompt tokens `seq_id` shared from the prefix cache instead of computing."""
+        return self._seq(seq_id).cached
+
+    def refcount(self, page: int) -> int:
+        """How many sequences hold `page`."""
+        return self._refs[page]
 
     def evict(self, seq_id: int) -> None:
-        """Forget `seq_id` and return its pages to the free list."""
-        self._free_pages.extend(reversed(self._pages.pop(self._known(seq_id))))
-        del self._lengths[seq_id]
+        """Forget `seq_id` and drop its references; pages nobody holds any more become free,
+        those registered under a digest stay cached until recycled."""
+        pages = self._seq(seq_id).pages
+        del self._seqs[seq_id]
+        # Last page first: the LRU list recycles a sequence's tail before its prefix.
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page]:
+                continue
+            if page in self._digest_of:
+                self._lru[page] = None
+            else:
+                self._unused.append(page)
 
-    def _known(self, seq_id: int) -> int:
-        if seq_id not in self._pages:
+    def reset_prefix_cache(self) -> None:
+        """Forget every digest; running sequences keep their pages but share and register none."""
+        self._unused.extend(self._lru)
+        self._lru.clear()
+        self._page_of.clear()
+        self._digest_of.clear()
+        for seq in self._seqs.values():
+            seq.parent = None
+            seq.tail = []
+
+    # -- internals used by prefill and decode -------------------------------------------------
+
+    def _seq(self, seq_id: int) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
             raise KeyError(f"sequence {seq_id} is not in the KV cache")
-        return seq_id
+        return seq
 
-    def _admit(self, seq_ids: list[int], lengths: list[int]) -> Tensor:
-        """Reserve pages for new sequences; their slots, concatenated in order, `[sum(lengths)]`."""
+    def _take_page(self) -> int:
+        if self._unused:
+            return self._unused.pop()
+        page, _ = self._lru.popitem(last=False)
+        del self._page_of[self._digest_of.pop(page)]
+        return page
+
+    def _admit(
+        self, seq_ids: list[int], prompts: list[list[int]]
+    ) -> tuple[list[int], list[tuple[int, bytes]]]:
+        """Give new sequences their page tables: (cached tokens of each, the (page, digest) of
+        each new full page to register once the prefill has written it)."""
         for seq_id in seq_ids:
-            if seq_id in self._pages or seq_ids.count(seq_id) > 1:
+            if seq_id in self._seqs or seq_ids.count(seq_id) > 1:
                 raise ValueError(f"sequence {seq_id} is already in the KV cache")
-        needed = sum(math.ceil(n / self.page_size) for n in lengths)
-        if needed > len(self._free_pages):
+        plan = self.plan()
+        for tokens in prompts:
+            plan.add(tokens)
+        if plan.pages > self.free_pages:
             raise CacheFull(
-                f"admitting {len(seq_ids)} sequences needs {needed} pages, "
-                f"{len(self._free_pages)} are free"
+                f"admitting {len(seq_ids)} sequences needs {plan.pages} pages, "
+                f"{self.free_pages} are free"
             )
-        for seq_id, n in zip(seq_ids, lengths, strict=True):
-            self._pages[seq_id] = [
-                self._free_pages.pop() for _ in range(math.ceil(n / self.page_size))
-            ]
-            self._lengths[seq_id] = n
-        return torch.cat(
-            [self._slots(seq_id, 0, n) for seq_id, n in zip(seq_ids, lengths, strict=True)]
-        )
+        # Revive the shared cached pages before allocating, which could recycle them.
+        for page in plan.revived:
+            del self._lru[page]
+        tables: list[list[int]] = []
+        register: list[tuple[int, bytes]] = []
+        for seq_id, planned, tokens in zip(seq_ids, plan.prompts, prompts, strict=True):
+            pages = [p if isinstance(p, int) else tables[p[0]][p[1]] for p in planned.shared]
+            pages += [self._take_page() for _ in range(planned.new_pages)]
+            for page in pages:
+                self._refs[page] += 1
+            tables.append(pages)
+            # Its new full pages (the partial last one has no digest).
+            new = len(planned.shared)
+            register += zip(pages[new : len(planned.digests)], planned.digests[new:], strict=True)
+            cached = len(planned.shared) * self.page_size
+            seq = self._seqs[seq_id] = _Sequence(pages, len(tokens), cached, None)
+            if self.prefix_caching:
+                seq.parent = planned.digests[-1] if planned.digests else _ROOT
+                seq.tail = list(tokens[len(planned.digests) * self.page_size :])
+        return [len(p.shared) * self.page_size for p in plan.prompts], register
 
-    def _append_one(self, seq_ids: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """Grow each sequence by one token: (positions [B], new slots [B], lengths after [B])."""
-        for seq_id in seq_ids:
-            self._known(seq_id)
+    def _register(self, pages: list[tuple[int, bytes]]) -> None:
+        """Name full, written pages by their digest; a digest already cached keeps its page
+        (this one stays private to its sequence)."""
+        for page, digest in pages:
+            if digest not in self._page_of:
+                self._page_of[digest] = page
+                self._digest_of[page] = digest
+
+    def _append_one(
+        self, seq_ids: list[int], tokens: list[int]
+    ) -> tuple[Tensor, Tensor, Tensor, list[tuple[int, bytes]]]:
+        """Grow each sequence by its token: (positions [B], new slots [B], lengths after [B],
+        the (page, digest) of pages the step fills, to register once it has written them)."""
+        seqs = [self._seq(seq_id) for seq_id in seq_ids]
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"duplicate sequence ids in one decode step: {seq_ids}")
-        growing = [s for s in seq_ids if self._lengths[s] == len(self._pages[s]) * self.page_size]
-        if len(growing) > len(self._free_pages):
+        size = self.page_size
+        growing = [seq for seq in seqs if seq.length == len(seq.pages) * size]
+        if len(growing) > self.free_pages:
             raise CacheFull(
-                f"decode step needs {len(growing)} new pages, {len(self._free_pages)} are free"
+                f"decode step needs {len(growing)} new pages, {self.free_pages} are free"
             )
-        for seq_id in growing:
-            self._pages[seq_id].append(self._free_pages.pop())
-        positions = [self._lengths[s] for s in seq_ids]
+        for seq in growing:
+            page = self._take_page()
+            self._refs[page] += 1
+            seq.pages.append(page)
+        positions = [seq.length for seq in seqs]
         slots = [
-            self._pages[s][p // self.page_size] * self.page_size + p % self.page_size
-            for s, p in zip(seq_ids, positions, strict=True)
+            seq.pages[p // size] * size + p % size for seq, p in zip(seqs, positions, strict=True)
         ]
-        for seq_id in seq_ids:
-            self._lengths[seq_id] += 1
+        filled: list[tuple[int, bytes]] = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.length += 1
+            if seq.parent is None:
+                continue
+            seq.tail.append(token)
+            if len(seq.tail) == size:
+                seq.parent = _digest(seq.parent, seq.tail)
+                seq.tail = []
+                filled.append((seq.pages[-1], seq.parent))
         device = self.keys.device
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
-        return as_tensor(positions), as_tensor(slots), as_tensor([p + 1 for p in positions])
+        return as_tensor(positions), as_tensor(slots), as_tensor([p + 1 for p in positions]), filled
 
-    def _slot_table(self, seq_ids: list[int]) -> Tensor:
-        """`[B, P_max * page_size]` slots of each sequence's pages; padding points at slot 0."""
-        widest = max(len(self._pages[s]) for s in seq_ids)
+    def _page_table(self, seq_ids: list[int]) -> Tensor:
+        """`[B, P_max]` pages of each sequence; padding points at page 0."""
+        widest = max(len(self._seqs[s].pages) for s in seq_ids)
         table = torch.zeros(len(seq_ids), widest, dtype=torch.long)
         for row, seq_id in enumerate(seq_ids):
-            pages = self._pages[seq_id]
+            pages = self._seqs[seq_id].pages
             table[row, : len(pages)] = torch.tensor(pages)
-        offsets = torch.arange(self.page_size)
-        return (table[:, :, None] * self.page_size + offsets).flatten(1).to(self.keys.device)
+        return table.to(self.keys.device)
+
+    def _gather(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of `layer` in `pages[N]`, `[N * page_size, Hkv, D]` each, written into
+        one workspace that every call reuses: use them before the next call. Copying into a
+        fresh tensor per layer cost 6x the copy itself on the CPU (page faults on new memory)."""
+        rows, width = pages.numel(), self.page_size * self.keys.shape[2] * self.keys.shape[3]
+        if self._workspace is None or self._workspace.shape[1] < rows:
+            self._workspace = self.keys.new_empty(2, rows + rows // 4, width)
+        out = []
+        for side, store in enumerate((self.keys, self.values)):
+            flat = store[layer].view(self.num_pages, width)
+            buffer = self._workspace[side, :rows]
+            torch.index_select(flat, 0, pages, out=buffer)
+            out.append(buffer.view(rows * self.page_size, *store.shape[2:]))
+        return out[0], out[1]
 
     def _slots(self, seq_id: int, start: int, end: int) -> Tensor:
         positions = torch.arange(start, end)
-        pages = torch.tensor(self._pages[seq_id], dtype=torch.long)
+        pages = torch.tensor(self._seqs[seq_id].pages, dtype=torch.long)
         slots = pages[positions // self.page_size] * self.page_size + positions % self.page_size
         return slots.to(self.keys.device)
 
@@ -174,7 +411,8 @@ class KVCache:
 def prefill(
     model: Transformer, cache: KVCache, seq_ids: list[int], prompts: list[Tensor]
 ) -> Tensor:
-    """Admit `prompts` (1-D token tensors of any lengths) as `seq_ids`; last hidden `[B, H]`."""
+    """Admit `prompts` (1-D token tensors of any lengths) as `seq_ids`, computing only what the
+    prefix cache does not hold; last hidden `[B, H]`."""
     if len(seq_ids) != len(prompts) or not prompts:
         raise ValueError(
             f"prefill needs one seq_id per prompt, got {len(seq_ids)} ids, {len(prompts)} prompts"
@@ -186,19 +424,51 @@ def prefill(
             f"got shapes {[tuple(p.shape) for p in prompts]}"
         )
     device = cache.keys.device
-    slots = cache._admit(seq_ids, lengths)
-    input_ids = torch.cat(prompts).to(device)
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).to(device)
-    cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0)
-    packed = plan_attention(model.attention, cu_seqlens, input_ids.numel(), cache.keys.dtype)
+    starts, register = cache._admit(seq_ids, [p.tolist() for p in prompts])
+    # Prompts with nothing cached first: together they are one packed batch for the backend.
+    order = sorted(range(len(prompts)), key=lambda i: starts[i] > 0)
+    fresh = [lengths[i] for i in order if starts[i] == 0]
+    input_ids = torch.cat([prompts[i][starts[i] :] for i in order]).to(device)
+    position_ids = torch.cat([torch.arange(starts[i], lengths[i]) for i in order]).to(device)
+    slots = torch.cat([cache._slots(seq_ids[i], starts[i], lengths[i]) for i in order])
+    num_fresh = sum(fresh)
+    packed = None
+    if fresh:
+        cu_seqlens = torch.tensor([0, *fresh], device=device).cumsum(0)
+        packed = plan_attention(model.attention, cu_seqlens, num_fresh, cache.keys.dtype)
+    # Per prompt with a cached prefix: its rows in the batch, its pages, and which of its
+    # tokens each query sees (query r sits at position start + r).
+    extended: list[tuple[int, int, Tensor, Tensor]] = []
+    row = num_fresh
+    for i in order[len(fresh) :]:
+        new = lengths[i] - starts[i]
+        pages = torch.tensor(cache.pages(seq_ids[i]), device=device)
+        mask = torch.ones(new, lengths[i], dtype=torch.bool, device=device).tril(starts[i])
+        extended.append((row, row + new, pages, mask))
+        row += new
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache.keys[layer].index_copy_(0, slots, k)
         cache.values[layer].index_copy_(0, slots, v)
-        return packed(q, k, v)
+        out = [] if packed is None else [packed(q[:num_fresh], k[:num_fresh], v[:num_fresh])]
+        for begin, end, pages, mask in extended:
+            keys, values = cache._gather(layer, pages)
+            length = mask.shape[1]
+            keys = keys[:length].transpose(0, 1)[None]  # [1, Hkv, L, D]
+            values = values[:length].transpose(0, 1)[None]
+            queries = q[begin:end].transpose(0, 1)[None]  # [1, Hq, L_new, D]
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, enable_gqa=True
+            )
+            out.append(attended[0].transpose(0, 1))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     hidden = model.hidden_states(input_ids, position_ids, attend)
-    return hidden[cu_seqlens[1:] - 1]
+    cache._register(register)
+    ends = torch.tensor([lengths[i] - starts[i] for i in order]).cumsum(0) - 1
+    last = torch.empty(len(order), dtype=torch.long)
+    last[torch.tensor(order)] = ends
+    return hidden[last.to(device)]
 
 
 @torch.no_grad()
@@ -209,20 +479,25 @@ def decode(model: Transformer, cache: KVCache, seq_ids: list[int], tokens: Tenso
             f"decode needs one token per seq_id, "
             f"got tokens {tuple(tokens.shape)} for {len(seq_ids)} ids"
         )
-    positions, slots, lengths = cache._append_one(seq_ids)
-    table = cache._slot_table(seq_ids)
-    visible = (torch.arange(table.shape[1], device=table.device)[None, :] < lengths[:, None])[
+    positions, slots, lengths, filled = cache._append_one(seq_ids, tokens.tolist())
+    table = cache._page_table(seq_ids)
+    batch, width = table.shape[0], table.shape[1] * cache.page_size
+    visible = (torch.arange(width, device=table.device)[None, :] < lengths[:, None])[
         :, None, None, :
     ]
+    pages = table.flatten()
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cache.keys[layer].index_copy_(0, slots, k)
         cache.values[layer].index_copy_(0, slots, v)
-        keys = cache.keys[layer][table].transpose(1, 2)  # [B, Hkv, S, D]
-        values = cache.values[layer][table].transpose(1, 2)
+        keys, values = cache._gather(layer, pages)
+        keys = keys.view(batch, width, *keys.shape[1:]).transpose(1, 2)  # [B, Hkv, S, D]
+        values = values.view(batch, width, *values.shape[1:]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q[:, :, None, :], keys, values, attn_mask=visible, enable_gqa=True
         )
         return out[:, :, 0, :]
 
-    return model.hidden_states(tokens.to(cache.keys.device), positions, attend)
+    hidden = model.hidden_states(tokens.to(cache.keys.device), positions, attend)
+    cache._register(filled)
+    return hidden

@@ -10,8 +10,10 @@ steps, and between two steps it
    holds each admitted sequence's worst case (prompt + max_new_tokens). Reserving the worst case
    means a running sequence never runs out of cache, so nothing is ever preempted or recomputed;
    the price is admitting fewer sequences when most completions stop early. A step admits at most
-   `max_prefill_tokens` of prompt (but always one request) so that a burst of long prompts does
-   not stall the sequences already decoding for one giant prefill;
+   `max_prefill_tokens` of prompt to compute (but always one request) so that a burst of long
+   prompts does not stall the sequences already decoding for one giant prefill. How much cache
+   and prefill a request costs is the engine's to say (`_admission_round`): by default its whole
+   prompt and worst case, less for the native engine where a prefix is cached;
 4. runs one step (`_step`): newly admitted sequences are prefilled and get their first token,
    running ones get one more token;
 5. retires every sequence that hit a stop token, stop string or max_new_tokens at once and
@@ -136,6 +138,23 @@ class BatchingEngine(abc.ABC):
     @abc.abstractmethod
     async def _apply_weights(self, named_tensors: list[tuple[str, Tensor]]) -> None:
         """Copy the tensors into the model; called between steps only."""
+
+    def _admission_round(self) -> Callable[[Request], int | None]:
+        """Start one round of admissions. The function returned is called on the queued
+        requests in order until it refuses one (the round then ends, as it may for other
+        reasons after any call): it returns the prompt tokens the request's prefill computes, or
+        None when the request's worst case does not fit in the KV budget beside the running
+        sequences and those it accepted before in this round."""
+        reserved = self._reserved
+
+        def take(request: Request) -> int | None:
+            nonlocal reserved
+            if reserved + request.reserved_tokens > self.kv_budget_tokens:
+                return None
+            reserved += request.reserved_tokens
+            return len(request.prompt_ids)
+
+        return take
 
     def _reservation(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """KV-cache tokens a sequence may need at most: its prompt and every new token."""
@@ -269,15 +288,15 @@ class BatchingEngine(abc.ABC):
     def _admit(self) -> list[Request]:
         admitted: list[Request] = []
         prefill = 0
+        take = self._admission_round()
         while self._waiting and len(self._running) + len(admitted) < self.max_batch_size:
             request = self._waiting[0]
-            if self._reserved + request.reserved_tokens > self.kv_budget_tokens:
-                break
-            if admitted and prefill + len(request.prompt_ids) > self.max_prefill_tokens:
+            computed = take(request)
+            if computed is None or (admitted and prefill + computed > self.max_prefill_tokens):
                 break
             self._waiting.popleft()
             self._reserved += request.reserved_tokens
-            prefill += len(request.prompt_ids)
+            prefill += computed
             admitted.append(request)
         return admitted
 

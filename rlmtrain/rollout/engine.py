@@ -51,6 +51,12 @@ class EngineStats(msgspec.Struct, kw_only=True):
     max_batch_size: int = 0
     requests_done: int = 0
     prompt_tokens: int = 0
+    """Prompt tokens of the admitted requests."""
+    prefill_tokens: int = 0
+    """Prompt tokens the prefill computed: prompt_tokens less the prefix-cache hits (native
+    engine; 0 from engines that do not count it)."""
+    prefix_cache_hit_tokens: int = 0
+    """Prompt tokens served from the prefix cache instead of computed (native engine)."""
     generated_tokens: int = 0
     steps: int = 0
     """Forward steps run (a step prefills newly admitted requests and decodes the running ones)."""

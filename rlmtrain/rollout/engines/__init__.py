@@ -22,8 +22,9 @@ def build_engine(config: Config, tokenizer: Tokenizer) -> Engine:
     """The engine `config.rollout.engine` names, serving `config.model`.
 
     native: the model built from `config.model` (random init from its preset unless hf_dir is
-    set) on `config.train.device`; vllm: `config.model.hf_dir` served by vLLM in this process;
-    sim: pseudo-random tokens at no modelled cost (a smoke test of the scheduler).
+    set) on `config.train.device`, with prefix caching (NativeEngine's default); vllm:
+    `config.model.hf_dir` served by vLLM in this process; sim: pseudo-random tokens at no
+    modelled cost (a smoke test of the scheduler).
     """
     rollout = config.rollout
     if rollout.engine == "native":

@@ -17,10 +17,18 @@ Weight updates are applied by the step loop between two steps, so no step reads 
 weights and no queued or running request is dropped; sequences in flight keep the keys and values
 they cached under the old weights (as vLLM does on an in-place update) and continue with the new.
 
-No prefix sharing: the KV cache admits each prompt into pages of its own and keeps no reference
-counts (`kv_cache.py`: "admission never shares a prefix"), so two sequences cannot point at the
-same pages without one's eviction freeing the other's. It would pay here (every turn's prompt
-starts with the same system prompt), and needs ref-counted pages in `KVCache` first.
+Prefix caching (on unless `prefix_caching=False`): every turn's prompt starts with the same
+system prompt (~5.5k byte tokens for the evidence env) and repeats the trajectory's history, so
+the KV cache (`kv_cache.py`) shares the full pages of prompt prefixes it already holds, by chained
+page digest, and the prefill computes only the rest. Admission counts what that saves: a request
+costs the free pages its admission takes (new pages, plus cached pages nobody holds that it
+revives) plus the pages its worst case may still grow into, against the cache's free pages less
+what the running sequences may still grow into; so running sequences never hit `CacheFull`, and
+an evicted sequence's shared pages stay with the sequences reading them. `max_prefill_tokens`
+limits the tokens actually computed. Greedy and seeded outputs equal those without the cache, up
+to last-bit differences between attending over a cached prefix and over a fresh prompt. A weight
+update resets the prefix cache: keys and values cached under the old weights are not shared with
+requests admitted after it.
 """
 
 from __future__ import annotations
@@ -47,7 +55,9 @@ class NativeEngine(BatchingEngine):
     """Continuous batching over `model` with a paged KV cache of `kv_cache_tokens` tokens.
 
     decode: the tokenizer's `decode`, needed only for requests with stop strings.
-    max_prefill_tokens: prompt tokens admitted per step at most (one request always is).
+    max_prefill_tokens: prompt tokens computed per step at most (one request is always admitted).
+    prefix_caching: share cached full prompt pages between requests (False: every prompt is
+    prefilled whole, for comparison).
     seed: the stream that seeds requests whose `SamplingParams.seed` is None.
     """
 
@@ -61,8 +71,11 @@ class NativeEngine(BatchingEngine):
         max_prefill_tokens: int | None = 4096,
         decode: Callable[[Sequence[int]], str] | None = None,
         seed: int = 0,
+        prefix_caching: bool = True,
     ) -> None:
-        cache = KVCache.for_model(model, kv_cache_tokens, page_size=page_size)
+        cache = KVCache.for_model(
+            model, kv_cache_tokens, page_size=page_size, prefix_caching=prefix_caching
+        )
         super().__init__(
             max_batch_size=max_batch_size,
             kv_budget_tokens=cache.num_pages * cache.page_size,
@@ -81,6 +94,24 @@ class NativeEngine(BatchingEngine):
         # The last sampled token is never fed back, but whole pages are what the cache hands out.
         tokens = len(prompt_ids) + params.max_new_tokens
         return math.ceil(tokens / self.cache.page_size) * self.cache.page_size
+
+    def _admission_round(self) -> Callable[[Request], int | None]:
+        plan = self.cache.plan()
+        page = self.cache.page_size
+        # Pages the running sequences may still take before reaching their worst case.
+        growth = sum(
+            r.reserved_tokens // page - len(self.cache.pages(r.seq_id)) for r in self._running
+        )
+
+        def take(request: Request) -> int | None:
+            nonlocal growth
+            cached = plan.add(request.prompt_ids)
+            growth += request.reserved_tokens // page - math.ceil(len(request.prompt_ids) / page)
+            if plan.pages + growth > self.cache.free_pages:
+                return None
+            return len(request.prompt_ids) - cached
+
+        return take
 
     def _check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         super()._check_request(prompt_ids, params)
@@ -106,6 +137,9 @@ class NativeEngine(BatchingEngine):
         if admitted:
             prompts = [torch.tensor(r.prompt_ids, dtype=torch.long) for r in admitted]
             hidden.append(self.model.prefill(self.cache, [r.seq_id for r in admitted], prompts))
+            cached = sum(self.cache.cached_tokens(r.seq_id) for r in admitted)
+            self._stats.prefix_cache_hit_tokens += cached
+            self._stats.prefill_tokens += sum(len(r.prompt_ids) for r in admitted) - cached
         if running:
             tokens = torch.tensor([r.token_ids[-1] for r in running], dtype=torch.long)
             hidden.append(self.model.decode(self.cache, [r.seq_id for r in running], tokens))
@@ -125,10 +159,11 @@ class NativeEngine(BatchingEngine):
 
     async def _apply_weights(self, named_tensors: list[tuple[str, Tensor]]) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(
-            self._executor,
-            lambda: load_hf_tensors(self.model, named_tensors, source="update_weights"),
-        )
+        await loop.run_in_executor(self._executor, self._load_weights_sync, named_tensors)
+
+    def _load_weights_sync(self, named_tensors: list[tuple[str, Tensor]]) -> None:
+        load_hf_tensors(self.model, named_tensors, source="update_weights")
+        self.cache.reset_prefix_cache()
 
     async def close(self) -> None:
         await super().close()
