@@ -44,6 +44,7 @@ _DELEGATED = {
         "synthesise paper groups, render to PDF, parse back",
     ),
     ("rollout",): ("rlmtrain.rollout.cli", "sample trajectory trees of the configured tasks"),
+    ("eval",): ("rlmtrain.eval_cli", "evaluate a checkpoint on held-out tasks"),
 }
 
 

@@ -1,0 +1,332 @@
+"""Held-out evaluation (SPEC.md §5): k trees per task, scored, summarised into one flat report.
+
+`evaluate` rolls the held-out tasks out through the same `Scheduler`, engine and environment as
+training, so an evaluation measures the policy exactly as RL samples it (temperature and top-p of
+`rollout`), and scores roots with the environment's own reward (`env.root_scores`: the judge when
+one is configured, span F1 otherwise). `summarize` turns the trees and scores into numbers; it
+reads only the trainer-side records (`rlm.records`), never engine counters, so the same groups
+always give the same report.
+
+Reproducibility: the scheduler's sampling seed is `eval.seed`, and the agent derives each
+request's seed from it, the trajectory id and the turn (`Agent.params`); the native engine draws
+each request with its own generator. Same weights + seed + tasks give the same trees, hence the
+same report except the wall-clock keys in `TIMING_KEYS` (up to the native engine's last-bit
+differences between a prefix-cached and a fresh prefill, which can flip a near-tie draw).
+`sample_digest` (a CRC of every sampled token id) makes that checkable at a glance: two reports
+sampled the same tokens when their digests agree.
+
+Choices: pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models
+Trained on Code", eq. 1) over each task's scored roots, with "pass" = score >= `pass_threshold`
+(0.5 by default: the rewards here are continuous, span F1 or a judge score in [0, 1]). A root the
+reward could not score (None) is left out of the means and of pass@k and counted in `unscored`,
+never read as 0. Metrics that do not apply (span F1 without gold evidence, spawn rate over
+multi-paper tasks when there are none) are None, not 0.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from rlmtrain.rlm.records import RolloutGroup, Trajectory
+
+if TYPE_CHECKING:
+    from rlmtrain.config import Config
+    from rlmtrain.envs.base import Env
+    from rlmtrain.model.tokenizer import Tokenizer
+    from rlmtrain.model.transformer import Transformer
+    from rlmtrain.rollout.engine import Engine
+
+__all__ = [
+    "DEFAULT_PASS_THRESHOLD",
+    "SPAWN_TOOLS",
+    "TIMING_KEYS",
+    "evaluate",
+    "format_report",
+    "pass_at_k",
+    "summarize",
+]
+
+DEFAULT_PASS_THRESHOLD = 0.5
+SPAWN_TOOLS = frozenset({"rlm_query", "rlm_query_batched"})
+TIMING_KEYS = ("wall_s_per_tree", "seconds")
+"""Report keys measured by the wall clock; every other key is a function of the sampled trees."""
+
+_UNRECORDED_CALLS = "..."
+"""The ToolCall name the REPL uses for calls past its recording cap (rlm/builtins.py)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c pass: 1 - C(n - c, k) / C(n, k); needs k <= n."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def summarize(
+    tasks: Sequence[Any],
+    groups: Sequence[RolloutGroup],
+    scores: Sequence[Sequence[float | None]],
+    *,
+    samples: int,
+    seconds: float,
+    pass_threshold: float = DEFAULT_PASS_THRESHOLD,
+) -> dict[str, Any]:
+    """The evaluation report of `groups` (one per task, G = `samples` roots each) and their root
+    scores (`scores[i]` in `groups[i].roots` order). See the module docstring for the choices;
+    `seconds` is the caller's wall time of the whole evaluation."""
+    if not len(tasks) == len(groups) == len(scores):
+        raise ValueError(
+            f"summarize: {len(tasks)} tasks, {len(groups)} groups, {len(scores)} score lists"
+        )
+    roots: list[Trajectory] = []
+    children: list[Trajectory] = []
+    root_scores: list[float] = []
+    unscored = 0
+    task_pass: list[float] = []
+    task_pass_1: list[float] = []
+    span_scores: list[float] = []
+    spawned_multi: list[bool] = []
+    for task, group, values in zip(tasks, groups, scores, strict=True):
+        group_roots = group.roots
+        if len(values) != len(group_roots):
+            raise ValueError(
+                f"summarize: task {_task_id(task)!r} has {len(group_roots)} roots but "
+                f"{len(values)} scores"
+            )
+        roots.extend(group_roots)
+        children.extend(t for t in group.trajectories if not t.is_root)
+        scored = [v for v in values if v is not None]
+        unscored += len(values) - len(scored)
+        root_scores.extend(scored)
+        if scored:
+            passed = sum(v >= pass_threshold for v in scored)
+            task_pass.append(pass_at_k(len(scored), passed, min(samples, len(scored))))
+            task_pass_1.append(passed / len(scored))
+        evidence = getattr(task, "evidence", None)
+        if evidence is not None:
+            from rlmtrain.rewards.span_f1 import span_f1
+
+            truth = [span.text for span in evidence]
+            span_scores.extend(
+                0.0 if r.answer is None else span_f1(r.answer, truth) for r in group_roots
+            )
+        if len(getattr(task, "paper_ids", ())) > 1:
+            spawned_multi.extend(_spawned(root) for root in group_roots)
+
+    descendants = Counter(t.root_id for t in children)
+    everyone = [*roots, *children]
+    tool_calls: Counter[str] = Counter()
+    for trajectory in everyone:
+        for turn in trajectory.turns:
+            for call in turn.tool_calls:
+                if call.name == _UNRECORDED_CALLS:
+                    tool_calls["(not recorded)"] += _leading_int(call.args)
+                else:
+                    tool_calls[call.name] += 1
+    tree_walls = _tree_walls(groups)
+    return {
+        "tasks": len(tasks),
+        "samples": samples,
+        "roots": len(roots),
+        "reward_mean": _mean(root_scores),
+        "unscored": unscored,
+        "pass_k": samples,
+        "pass_threshold": pass_threshold,
+        "pass_at_k": _mean(task_pass),
+        "pass_at_1": _mean(task_pass_1),
+        "span_f1": _mean(span_scores),
+        "turns_mean": _mean([len(r.turns) for r in roots]),
+        "turns_per_trajectory": _mean([len(t.turns) for t in everyone]),
+        "children_per_root": _mean([descendants[r.id] for r in roots]),
+        "spawn_rate": _mean([float(_spawned(r)) for r in roots]),
+        "spawn_rate_multi": _mean([float(s) for s in spawned_multi]),
+        "finish_reasons": {
+            "roots": dict(sorted(Counter(r.finish_reason for r in roots).items())),
+            "children": dict(sorted(Counter(t.finish_reason for t in children).items())),
+        },
+        "tool_calls": dict(sorted(tool_calls.items())),
+        "generated_tokens": sum(len(turn.completion_ids) for t in everyone for turn in t.turns),
+        "sample_digest": sample_digest(groups),
+        "wall_s_per_tree": _mean(tree_walls),
+        "seconds": seconds,
+    }
+
+
+def _spawned(root: Trajectory) -> bool:
+    """Whether the root called rlm_query[_batched]: it has children (the agent records each
+    before spawning it), or a turn's code called one and every prompt was refused by a limit."""
+    if root.children:
+        return True
+    return any(call.name in SPAWN_TOOLS for turn in root.turns for call in turn.tool_calls)
+
+
+def _tree_walls(groups: Sequence[RolloutGroup]) -> list[float]:
+    """Per tree: the first turn's start to the last turn's end over all its trajectories."""
+    spans: dict[str, tuple[float, float]] = {}
+    for group in groups:
+        for trajectory in group.trajectories:
+            for turn in trajectory.turns:
+                if turn.started <= 0 or turn.ended <= 0:
+                    continue
+                began, ended = spans.get(trajectory.root_id, (math.inf, -math.inf))
+                spans[trajectory.root_id] = (min(began, turn.started), max(ended, turn.ended))
+    return [ended - began for began, ended in spans.values()]
+
+
+def sample_digest(groups: Sequence[RolloutGroup]) -> str:
+    """CRC-32 (hex) of every trajectory id and its turns' completion token ids, in id order."""
+    crc = 0
+    for group in groups:
+        for trajectory in sorted(group.trajectories, key=lambda t: t.id):
+            crc = zlib.crc32(trajectory.id.encode(), crc)
+            for turn in trajectory.turns:
+                crc = zlib.crc32(array("q", turn.completion_ids).tobytes(), crc)
+                crc = zlib.crc32(b"|", crc)
+    return f"{crc:08x}"
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _leading_int(text: str) -> int:
+    head = text.split(" ", 1)[0]
+    return int(head) if head.isdigit() else 1
+
+
+def _task_id(task: Any) -> str:
+    return getattr(task, "id", None) or str(task)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rolling out
+# ---------------------------------------------------------------------------------------------
+
+
+async def evaluate(
+    cfg: Config,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    env: Env,
+    tasks: Sequence[Any],
+    *,
+    engine: Engine | None = None,
+    phase: str = "eval",
+    step: int = 0,
+    pass_threshold: float = DEFAULT_PASS_THRESHOLD,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Roll out `tasks` (the first `eval.tasks` when > 0), `eval.samples` trees each, seeded by
+    `eval.seed`; score the roots with `env`; return `summarize(...)` with `phase` and `step`.
+
+    engine: a running engine already serving `model`'s weights (the training run's; `model` is
+    then not read); None = a fresh one from `build_engine(cfg, tokenizer)`, loaded with
+    `model`'s weights and closed after. The evaluation runs its own Scheduler: no hook of the
+    caller's scheduler is touched.
+    progress: a tqdm bar over trees on stderr.
+    """
+    from rlmtrain.model.hf import named_hf_tensors
+    from rlmtrain.rollout.engine import SamplingParams
+    from rlmtrain.rollout.scheduler import Scheduler
+
+    if cfg.eval.tasks > 0:
+        tasks = tasks[: cfg.eval.tasks]
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("evaluate: no held-out tasks")
+    samples = cfg.eval.samples
+    began = time.perf_counter()
+    owned = engine is None
+    if engine is None:
+        from rlmtrain.rollout.engines import build_engine
+
+        engine = build_engine(cfg, tokenizer)
+    try:
+        if owned:
+            await engine.update_weights(named_hf_tensors(model))
+        sampling = SamplingParams(
+            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.eval.seed
+        )
+        scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
+        bar = None
+        if progress:
+            from rlmtrain.rollout.cli import RolloutProgress
+
+            bar = RolloutProgress(len(tasks) * samples, engine)
+            scheduler.on_tree_done = bar.tree_done
+        try:
+            groups = await scheduler.rollout(tasks, env, samples)
+        finally:
+            if bar is not None:
+                bar.close()
+    finally:
+        if owned:
+            await engine.close()
+    scores = await env.root_scores(tasks, groups)
+    report = summarize(
+        tasks,
+        groups,
+        scores,
+        samples=samples,
+        seconds=time.perf_counter() - began,
+        pass_threshold=pass_threshold,
+    )
+    return {"phase": phase, "step": step, **report}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as an aligned two-column table (None shows as '-')."""
+    k, threshold = report["pass_k"], report["pass_threshold"]
+    rows = [
+        ("reward mean", _num(report["reward_mean"]) + f"  ({report['unscored']} unscored)"),
+        (f"pass@{k} (score >= {threshold:g})", _num(report["pass_at_k"])),
+        (f"pass@1 (score >= {threshold:g})", _num(report["pass_at_1"])),
+        ("span F1", _num(report["span_f1"])),
+        ("turns per root", _num(report["turns_mean"], 2)),
+        ("turns per trajectory", _num(report["turns_per_trajectory"], 2)),
+        ("children per root", _num(report["children_per_root"], 2)),
+        ("spawn rate", _percent(report["spawn_rate"])),
+        ("spawn rate, multi-paper", _percent(report["spawn_rate_multi"])),
+        ("finish (roots)", _counts(report["finish_reasons"]["roots"])),
+        ("finish (children)", _counts(report["finish_reasons"]["children"])),
+        ("tool calls", _counts(report["tool_calls"])),
+        ("generated tokens", str(report["generated_tokens"])),
+        ("wall s per tree", _num(report["wall_s_per_tree"], 2)),
+        ("sample digest", report["sample_digest"]),
+    ]
+    title = (
+        f"{report.get('phase', 'eval')} step {report.get('step', 0)}: {report['tasks']} tasks "
+        f"x {report['samples']} samples ({report['roots']} roots) in {report['seconds']:.1f} s"
+    )
+    width = max(len(name) for name, _ in rows)
+    return "\n".join([title, *(f"  {name:<{width}}  {value}" for name, value in rows)])
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return " ".join(f"{name}={n}" for name, n in counts.items()) or "-"
