@@ -7,6 +7,7 @@ concept each (`presets`, `attention`, `transformer`, `kv_cache`, `hf`). The toke
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from rlmtrain.config import ModelConfig
@@ -45,8 +46,11 @@ def build_model(cfg: ModelConfig) -> Transformer:
         return load_hf(cfg.hf_dir, dtype=dtype, **options)
     # Built on the meta device and materialised once: a default nn.Linear init of an 8B model
     # would cost minutes before being overwritten.
+    args = preset(cfg.preset)
+    if cfg.vocab_size:
+        args = msgspec.structs.replace(args, vocab_size=cfg.vocab_size)
     with torch.device("meta"):
-        model = Transformer(preset(cfg.preset), **options)
+        model = Transformer(args, **options)
     model = model.to_empty(device="cpu")
     model.init_weights(cfg.seed)
     return model.to(dtype)
