@@ -8,11 +8,19 @@ import statistics
 
 import pytest
 
+from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.evidence import EvidenceEnv
-from rlmtrain.envs.evidence_teacher import child_plan, child_prompt, parse_query, root_plan, teach
+from rlmtrain.envs.evidence_teacher import (
+    child_plan,
+    child_prompt,
+    compact_root_plan,
+    parse_query,
+    reply,
+    root_plan,
+    teach,
+)
 from rlmtrain.envs.synth import synthesize
 from rlmtrain.model.tokenizer import ByteTokenizer
-from rlmtrain.rlm.agent import AgentLimits
 from rlmtrain.rlm.records import read_groups, write_groups
 
 MULTI_TASKS = 50
@@ -97,17 +105,17 @@ def test_plans_follow_the_query_and_refuse_strangers():
 def test_teacher_warns_when_trajectories_do_not_finish(env_and_tasks, caplog):
     env, tasks = env_and_tasks
     task = next(t for t in tasks if len(t.paper_ids) >= 2)
-    tight = AgentLimits(max_turns=5, max_depth=1, max_prompt_tokens=2048)
+    tight = RolloutConfig(max_turns=5, max_depth=1, max_prompt_tokens=2048)
     with caplog.at_level("WARNING", logger="rlmtrain"):
-        (group,) = asyncio.run(teach(env, [task], ByteTokenizer(), limits=tight))
+        (group,) = asyncio.run(teach(env, [task], ByteTokenizer(), tight))
     assert group.roots[0].finish_reason == "context"
     assert "1 of 1 trajectories did not finish (context: 1); max_prompt_tokens=2048" in caplog.text
 
 
 def test_teacher_refuses_limits_without_children(env_and_tasks):
     env, tasks = env_and_tasks
-    with pytest.raises(ValueError, match="needs max_depth >= 1"):
-        asyncio.run(teach(env, tasks[:1], ByteTokenizer(), limits=AgentLimits(max_depth=0)))
+    with pytest.raises(ValueError, match="needs rollout.max_depth >= 1"):
+        asyncio.run(teach(env, tasks[:1], ByteTokenizer(), RolloutConfig(max_depth=0)))
 
 
 def test_root_plan_sends_one_child_per_picked_paper(env_and_tasks):
@@ -115,3 +123,35 @@ def test_root_plan_sends_one_child_per_picked_paper(env_and_tasks):
     task = next(t for t in tasks if len(t.paper_ids) >= 2)
     code = "\n".join(root_plan(task))
     assert "rlm_query_batched(prompts, contexts)" in code and 'FINAL_VAR("answer")' in code
+
+
+def test_compact_teacher_through_the_scheduler(env_and_tasks):
+    """The compact plans, played by the scheduler on the scripted engine: two turns per
+    trajectory, one child per paper whose abstract names the query's key, the query as each
+    child's prompt, and a span F1 close to the full plans'."""
+    tasks = env_and_tasks[1]
+    env = EvidenceEnv(env_and_tasks[0].corpus, prompt_style="compact")
+    multi = [task for task in tasks if len(task.paper_ids) >= 2][:12]
+    config = RolloutConfig(prompt_style="compact", max_turns=3, max_depth=1)
+    groups = asyncio.run(teach(env, multi, ByteTokenizer(), config))
+    scores = [s for ss in asyncio.run(env.root_scores(multi, groups)) for s in ss]
+    for task, group in zip(multi, groups, strict=True):
+        (root,) = group.roots
+        children = [t for t in group.trajectories if t.parent_id is not None]
+        key = parse_query(task.query).key
+        picked = [p for p in task.paper_ids if key in env.corpus[p].abstract]
+        assert root.finish_reason == "final" and len(root.turns) == 2
+        assert [next(iter(c.turns)).code for c in children] and len(children) == len(picked)
+        assert all(c.prompt == task.query and len(c.turns) == 2 for c in children)
+    assert statistics.mean(scores) >= 0.8, scores
+
+
+def test_reply_reads_the_prompt_as_a_policy_would():
+    query = "Which baselines are used to evaluate the methods based on label propagation?"
+    root = f"<|im_start|>user\n`context` holds 3 papers.\nQuery: {query}\nTurn 1 of 3."
+    assert compact_root_plan(query, 3)[0] in reply(root, "compact")
+    child = f"<|im_start|>user\nQuery: {query}\nTurn 2 of 3.<|im_end|>\n<|im_start|>assistant\n"
+    assert "FINAL_VAR" in reply(child, "compact")
+    assert reply(child.replace("Turn 2", "Turn 3"), "compact") == ""
+    with pytest.raises(ValueError, match="no query or turn"):
+        reply("<|im_start|>user\nhello", "compact")

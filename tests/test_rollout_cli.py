@@ -30,6 +30,7 @@ def test_rollout_writes_groups_and_a_summary(tmp_path: Path, capsys) -> None:
             "--rollout.n_samples=2",
             "--rollout.max_turns=1",
             "--rollout.max_new_tokens=8",
+            "--model.tokenizer=byte",
         ]
     )
     assert code == 0
@@ -49,3 +50,14 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     code = cli(["--config", str(CONFIG), "--out", str(tmp_path / "x"), "--rollout.nope=1"])
     assert code == 2
     assert "unknown key 'rollout.nope'" in capsys.readouterr().err
+
+
+def test_bpe_before_training_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    """'bpe' names the tokenizer `train` trains; before that, rollout says so and stops."""
+    run = f"--checkpoint.dir={tmp_path / 'run'}"
+    code = cli(
+        ["--config", str(CONFIG), "--out", str(tmp_path / "x"), run, "--data.synth_groups=1"]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "model.tokenizer" in err and "run train first" in err and "Traceback" not in err

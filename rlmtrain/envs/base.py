@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Env",
     "RewardResult",
+    "Split",
     "Task",
     "TaskFormatError",
     "available_envs",
@@ -69,6 +70,9 @@ class Env:
 
     name: ClassVar[str] = ""
     task_type: ClassVar[type[Task]] = Task
+    prompt_style: str = "full"
+    """"full" or "compact" (`rlm.prompts.PromptStyle`): the style of this env's strategy and root
+    messages, matching `rollout.prompt_style` (the factory reads it from the config)."""
 
     def system_prompt(self) -> str:
         """The task strategy only; the runtime appends the tool and builtin docs (rlm/prompts)."""
@@ -76,6 +80,10 @@ class Env:
 
     def user_prompt(self, task: Task, turn: int, max_turns: int) -> str:
         """The fresh user message of turn `turn` (0-based): the query and how many turns remain."""
+        if self.prompt_style == "compact":
+            from rlmtrain.rlm.prompts import compact_query_message
+
+            return compact_query_message(task.query, turn, max_turns)
         left = max_turns - turn
         return (
             f"Query: {task.query}\n\n"
@@ -110,6 +118,66 @@ class Env:
     def load_tasks(self, path: str | Path) -> list[Task]:
         """All tasks of a JSONL file, as this environment's task type."""
         return list(read_tasks(path, self.task_type))
+
+    def synthesize(self, out_dir: Path, *, groups: int, first_group: int, config: Config) -> Path:
+        """Make a task file (and whatever it names) in `out_dir` from groups first_group ..
+        first_group + groups - 1 and return its path; for environments with a synthetic data
+        set (disjoint group ranges share nothing). The others need task files."""
+        raise ValueError(f"data.train_path: required for env '{self.name}' (it synthesises none)")
+
+    def split_tasks(self, config: Config, split: Split) -> list[Task]:
+        """The tasks of one of the run's three disjoint sets: "sft" (the teacher's slice), "rl"
+        (training) and "eval" (held out). Each comes from its `data.*_path`, or else is
+        synthesised into `<checkpoint.dir>/data/<split>` from its own range of groups (made
+        once, remade when the data settings change). SFT without `sft_path` but with a
+        `train_path` plays the training tasks."""
+        data = config.data
+        path = {"sft": data.sft_path or data.train_path, "rl": data.train_path}.get(
+            split, data.eval_path
+        )
+        if not path:
+            path = self._synthesized(config, split)
+        return self.load_tasks(path)
+
+    def _synthesized(self, config: Config, split: Split) -> Path:
+        data = config.data
+        groups = {"sft": data.sft_groups, "rl": data.synth_groups, "eval": data.eval_groups}
+        first = {"sft": 0, "rl": data.sft_groups, "eval": data.sft_groups + data.synth_groups}
+        out = Path(config.checkpoint.dir) / "data" / split
+        made = {
+            "env": self.name,
+            "seed": data.seed,
+            "groups": groups[split],
+            "first_group": first[split],
+            "max_papers": data.synth_max_papers,
+        }
+        stamp = out / "synth.json"
+        path = out / "tasks.jsonl"
+        if not (path.is_file() and stamp.is_file() and _read_json(stamp) == made):
+            path = self.synthesize(
+                out, groups=groups[split], first_group=first[split], config=config
+            )
+            stamp.write_text(msgspec.json.encode(made).decode() + "\n")
+        return path
+
+    def vocabulary_texts(self, tasks: list[Task]) -> list[str]:
+        """The text a tokenizer trained for this env should compress: the prompts it will read
+        and what the tasks hold (envs add their documents and the code their teachers write)."""
+        return [self.system_prompt(), *(task.query for task in tasks)]
+
+    async def teach(self, tasks: list[Task], tokenizer: Any, config: Config) -> list[RolloutGroup]:
+        """The scripted teacher's trees for `tasks` (SFT data, SPEC.md §5), one group each."""
+        raise ValueError(f"train.sft_steps: env '{self.name}' has no scripted teacher; set it to 0")
+
+
+Split = Literal["sft", "rl", "eval"]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return msgspec.json.decode(path.read_bytes())
+    except msgspec.DecodeError:
+        return None
 
 
 def root_answers(group: RolloutGroup) -> list[str | None]:

@@ -119,6 +119,13 @@ class BookNavEnv(Env):
     def tool_modules(self) -> list[str]:
         return ["rlmtrain.envs.booknav_tools"]
 
+    async def teach(self, tasks: list[Task], tokenizer: Any, config: Config) -> list[RolloutGroup]:
+        """The scripted teacher's trees (`booknav_teacher`), within the run's rollout limits."""
+        from rlmtrain.envs.booknav_teacher import teach
+        from rlmtrain.rlm.agent import AgentLimits
+
+        return await teach(self, tasks, tokenizer, limits=AgentLimits.from_config(config.rollout))
+
     def load_tasks(self, path: str | Path) -> list[BookTask]:
         return read_tasks_beside(path, BookTask, "book")
 

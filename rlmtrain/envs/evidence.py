@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from rlmtrain.rewards.judge import RubricJudge
     from rlmtrain.rlm.records import RolloutGroup
 
-__all__ = ["EVIDENCE_STRATEGY", "EvidenceEnv", "EvidenceSpan", "EvidenceTask"]
+__all__ = ["COMPACT_STRATEGY", "EVIDENCE_STRATEGY", "EvidenceEnv", "EvidenceSpan", "EvidenceTask"]
 
 CORPUS_FILE = "corpus.jsonl"
 
@@ -81,14 +81,35 @@ one paper;
 3. join the helpers' non-empty answers, each prefixed with its paper id, and finish with \
 FINAL_VAR."""
 
+CODE_WEIGHT = 20
+"""How many times the teacher's code counts in the tokenizer's training text."""
+
+COMPACT_STRATEGY = """\
+Quote the passages of the papers in `context` (id -> {"title", "abstract", "text"}) that \
+answer `query`. Tools: search(text, phrase, window, bidirectional) -> sentences around each hit \
+({id: [...]} for a dict); extract_section(snippet, start, end); list_papers(context); \
+get_paper_abstract(context, id).
+Several papers: one helper per paper whose abstract names what the query is about, \
+rlm_query_batched([query] * n, [{id: context[id]}, ...]); join their answers.
+One paper: search the words that open the answer; answer with what you found."""
+
 
 class EvidenceEnv(Env):
     name = "evidence"
     task_type = EvidenceTask
 
-    def __init__(self, corpus: dict[str, Paper] | None = None, *, judge: RubricJudge | None = None):
+    def __init__(
+        self,
+        corpus: dict[str, Paper] | None = None,
+        *,
+        judge: RubricJudge | None = None,
+        prompt_style: str = "full",
+    ):
+        if prompt_style not in ("full", "compact"):
+            raise ValueError(f"prompt_style must be 'full' or 'compact', got {prompt_style!r}")
         self.corpus: dict[str, Paper] = dict(corpus or {})
         self.judge = judge
+        self.prompt_style = prompt_style
 
     # -- data -----------------------------------------------------------------------------
 
@@ -117,12 +138,50 @@ class EvidenceEnv(Env):
     # -- the RLM's view -------------------------------------------------------------------
 
     def system_prompt(self) -> str:
-        return EVIDENCE_STRATEGY
+        return COMPACT_STRATEGY if self.prompt_style == "compact" else EVIDENCE_STRATEGY
 
     def user_prompt(self, task: EvidenceTask, turn: int, max_turns: int) -> str:
         n = len(task.paper_ids)
         papers = "1 paper" if n == 1 else f"{n} papers"
         return f"`context` holds {papers}.\n" + super().user_prompt(task, turn, max_turns)
+
+    def vocabulary_texts(self, tasks: list[EvidenceTask]) -> list[str]:
+        """The base texts, the tasks' papers, and the teacher's code for every task (root and
+        child plans), so tool names and code idioms get tokens of their own."""
+        from rlmtrain.envs.evidence_teacher import compact_child_plan, compact_root_plan
+
+        papers = {pid: self.corpus[pid] for task in tasks for pid in task.paper_ids}
+        texts = super().vocabulary_texts(tasks)
+        for paper in papers.values():
+            texts += [paper.title, paper.abstract, paper.text]
+        # The code is a small share of the text but every completion: weighted up, its idioms
+        # become single tokens and a turn's code gets shorter.
+        for task in tasks:
+            plans = compact_root_plan(task.query, len(task.paper_ids))
+            texts += (plans + compact_child_plan(task.query)) * CODE_WEIGHT
+        return texts
+
+    def synthesize(self, out_dir: Path, *, groups: int, first_group: int, config: Config) -> Path:
+        """The synthetic corpus (`envs.synth`): PDFs rendered and parsed back, and its tasks."""
+        from rlmtrain.envs.synth import synthesize
+
+        synthesize(
+            out_dir,
+            groups=groups,
+            seed=config.data.seed,
+            first_group=first_group,
+            max_papers=config.data.synth_max_papers,
+            progress=config.logging.progress,
+        )
+        return Path(out_dir) / "tasks.jsonl"
+
+    async def teach(
+        self, tasks: list[EvidenceTask], tokenizer: Any, config: Config
+    ) -> list[RolloutGroup]:
+        """The scripted teacher's trees, played through the scheduler (`evidence_teacher`)."""
+        from rlmtrain.envs.evidence_teacher import teach
+
+        return await teach(self, tasks, tokenizer, config.rollout)
 
     def context(self, task: EvidenceTask) -> dict[str, dict[str, Any]]:
         out = {}
@@ -158,7 +217,8 @@ class EvidenceEnv(Env):
 def make_evidence_env(config: Config | None) -> EvidenceEnv:
     """The evidence env of a run: the corpus beside `data.train_path` (and `data.eval_path`)
     when set, and the rubric judge when `judge.base_url` is set."""
-    env = EvidenceEnv(judge=_judge(config))
+    style = config.rollout.prompt_style if config is not None else "full"
+    env = EvidenceEnv(judge=_judge(config), prompt_style=style)
     if config is not None:
         for tasks_path in (config.data.train_path, config.data.eval_path):
             corpus = Path(tasks_path).parent / CORPUS_FILE if tasks_path else None

@@ -1,10 +1,11 @@
 """A scripted evidence-selection teacher: the code an expert would write, root and children.
 
 Cold-start SFT data (SPEC.md §5) must be the records a policy leaves, so the teacher plays through
-the real trajectory loop and jailed REPL: each trajectory's plan is a list of code blocks played
-by `rlm.scripted.ScriptedPolicy`, and the plan never reads REPL output itself; what depends on
-the papers is computed by the code (REPL variables persist between turns), the habit the student
-should learn.
+exactly the path RL rollouts take: the `Scheduler`, its REPLs and limits, with a scripted engine
+(`SimEngine` over `reply`) in place of the model. `reply` reads the prompt as a policy would (the
+query and turn of its last message) and answers with that turn's block of the plan; the plan
+never reads REPL output itself: what depends on the papers is computed by the code (REPL
+variables persist between turns), the habit the student should learn.
 
 The expert reads the query, not the gold spans. A rule per query family gives the keyword
 variants to search, how to tell from title and abstract whether a paper is worth reading, and
@@ -16,31 +17,38 @@ one, cut out with `extract_section`. Strategies follow the system prompt:
     many papers: list_papers, triage by title/abstract -> rlm_query_batched, one child per paper
                  (a child plays the one-paper plan on its paper) -> join "[id] passage", FINAL_VAR
 
+The compact plans (prompt_style = "compact", for small models trained from scratch) keep the
+same strategy in two turns each, and code that is a template but for what the query names:
+
+    one paper:   search(context, lead words of the query's family) -> the sentences, FINAL_VAR
+    many papers: key = cut from `query`; picks = papers whose abstract names the key
+                 -> rlm_query_batched([query] * len(picks), one paper each) -> join, FINAL_VAR
+
+Nothing in them retypes the query: the REPL's `query` holds it (`rlm.agent` binds it), and the
+names the code needs are cut out of it with the family's own words, so a policy learns one
+template per family, not a copy of every name it meets.
+
 A query no rule recognises raises ValueError naming it: a teacher that guesses poisons SFT data.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from rlmtrain.envs.evidence import EvidenceEnv, EvidenceTask
-from rlmtrain.rlm.agent import (
-    AgentLimits,
-    ChatTokenizer,
-    ChildCall,
-    child_answer,
-    root_trajectory,
-)
-from rlmtrain.rlm.records import RolloutGroup, Trajectory
-from rlmtrain.rlm.repl import ReplLimits, Zygote
-from rlmtrain.rlm.scripted import play_plan
+from rlmtrain.rlm.prompts import PromptStyle
+from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rlm.scripted import fenced_code
+
+if TYPE_CHECKING:
+    from rlmtrain.config import RolloutConfig
+    from rlmtrain.model.tokenizer import Tokenizer
 
 log = logging.getLogger("rlmtrain")
 
@@ -49,7 +57,10 @@ __all__ = [
     "QueryRule",
     "child_plan",
     "child_prompt",
+    "compact_child_plan",
+    "compact_root_plan",
     "parse_query",
+    "reply",
     "root_plan",
     "teach",
 ]
@@ -63,6 +74,11 @@ class QueryRule(msgspec.Struct, kw_only=True, frozen=True):
     """The phrase that opens an answering passage (matched with its case)."""
     relevant: str
     """Lower-case text whose presence in a paper's title + abstract makes it worth reading."""
+    key: str
+    """The name the query turns on (method, dataset or technique), as the abstracts spell it."""
+    key_after: str
+    """The words of the query the key follows to its end (before the "?"): compact plans cut
+    the key out of the REPL's `query` with them rather than retype it."""
 
 
 _FAMILIES: list[tuple[str, re.Pattern[str]]] = [
@@ -92,6 +108,8 @@ def parse_query(query: str) -> QueryRule:
                 keywords=[f"evaluate {m}", "benchmarks", "datasets"],
                 opening=f"We evaluate {m}",
                 relevant=f"{m.lower()}:",
+                key=m,
+                key_after="evaluate ",
             )
         if family == "results":
             d = match["d"]
@@ -100,6 +118,8 @@ def parse_query(query: str) -> QueryRule:
                 keywords=[f"On {d},", d, match["metric"]],
                 opening=f"On {d},",
                 relevant=d.lower(),
+                key=d,
+                key_after=" on ",
             )
         t = match["t"]
         if family == "baselines":
@@ -108,12 +128,16 @@ def parse_query(query: str) -> QueryRule:
                 keywords=["following baselines", "baselines", "compare"],
                 opening="We compare",
                 relevant=f"builds on {t.lower()}",
+                key=t,
+                key_after="based on ",
             )
         return QueryRule(
             family=family,
             keywords=["limitation of", "limitation", "drawback"],
             opening="A limitation of",
             relevant=f"builds on {t.lower()}",
+            key=t,
+            key_after="rely on ",
         )
     raise ValueError(f"evidence teacher: no rule for query {query!r}")
 
@@ -209,92 +233,137 @@ def root_plan(task: EvidenceTask) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Playing the plans through the real loop
+# The compact plans (prompt_style = "compact": small models trained from scratch)
 # ---------------------------------------------------------------------------------------------
 
 
-async def _teach_one(
-    env: EvidenceEnv,
-    task: EvidenceTask,
-    tokenizer: ChatTokenizer,
-    limits: AgentLimits,
-    repl_limits: ReplLimits | None,
-) -> RolloutGroup:
-    context = env.context(task)
-    zygote = await Zygote.start(
-        context=context, tool_modules=env.tool_modules(), limits=repl_limits
-    )
-    trajectories: list[Trajectory] = []
+def _key_code(rule: QueryRule) -> str:
+    return f"query.split({rule.key_after!r})[-1].rstrip('?')"
 
-    async def play(blocks: list[str], trajectory: Trajectory, context: Any = None) -> None:
-        await play_plan(
-            blocks,
-            trajectory,
-            env=env,
-            tokenizer=tokenizer,
-            limits=limits,
-            zygote=zygote,
-            task=task,
-            spawn=spawn,
-            context=context,
+
+def compact_child_plan(query: str) -> list[str]:
+    """One paper: search the words that open the answer, answer with the sentences they open.
+    The words depend on the query's family alone, but for results, whose dataset is cut out of
+    the REPL's `query`."""
+    rule = parse_query(query)
+    lead = {
+        "datasets": "'We evaluate'",
+        "baselines": "'We compare'",
+        "limitation": "'A limitation of'",
+        "results": f"'On ' + {_key_code(rule)} + ','",
+    }[rule.family]
+    return [
+        f"hits = search(context, {lead}, window=150, bidirectional=False)\nprint(hits)",
+        'answer = "\\n".join(s for v in hits.values() for s in v)\nFINAL_VAR("answer")',
+    ]
+
+
+def compact_root_plan(query: str, n_papers: int) -> list[str]:
+    """Several papers: keep those whose abstract names the query's key (cut out of `query`),
+    one helper each with the query as its prompt, join their answers; one paper: the child's
+    plan."""
+    if n_papers == 1:
+        return compact_child_plan(query)
+    return [
+        f"key = {_key_code(parse_query(query))}\n"
+        "picks = [p for p in context if key in context[p]['abstract']]\n"
+        "answers = rlm_query_batched([query] * len(picks), [{p: context[p]} for p in picks])\n"
+        "print(answers)",
+        'answer = "\\n".join(a for a in answers if not a.startswith("[rlm_query"))\n'
+        'FINAL_VAR("answer")',
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Playing the plans: a scripted engine behind the real scheduler
+# ---------------------------------------------------------------------------------------------
+
+_TURN = re.compile(r"[Tt]urn (\d+) of \d+")
+_PAPERS = re.compile(r"`context` holds (\d+) papers?")
+
+
+def reply(prompt_text: str, style: PromptStyle = "full") -> str:
+    """The teacher's completion for a templated prompt: the plan block of this turn, fenced.
+
+    The plan is read off the prompt's last user message alone, as a policy would: the query
+    (its last "Query: " line), the turn number, and whether it is a root ("`context` holds N
+    papers") or a child. Past the end of its plan the teacher says nothing (an empty reply).
+    """
+    fresh = prompt_text.rsplit("<|im_start|>user", 1)[-1]
+    turn, query = _TURN.search(fresh), fresh.rfind("Query: ")
+    if turn is None or query < 0:
+        raise ValueError(f"evidence teacher: no query or turn in the prompt: {fresh[-300:]!r}")
+    query_text = fresh[query + len("Query: ") :].split("\n", 1)[0].strip()
+    papers = _PAPERS.search(fresh)
+    if style == "compact":
+        blocks = (
+            compact_root_plan(query_text, int(papers[1]))
+            if papers
+            else compact_child_plan(query_text)
         )
+    else:
+        blocks = (
+            _full_root_plan(query_text, int(papers[1]))
+            if papers
+            else child_plan(f"Query: {query_text}")
+        )
+    index = int(turn[1]) - 1
+    return fenced_code(blocks[index]) if index < len(blocks) else ""
 
-    async def run_child(call: ChildCall) -> str:
-        trajectories.append(call.trajectory)
-        if not call.with_repl:
-            return "[evidence teacher: children run with a REPL; raise max_depth]"
-        await play(child_plan(call.trajectory.prompt), call.trajectory, call.context)
-        return child_answer(call.trajectory)
 
-    async def spawn(calls: list[ChildCall]) -> list[str]:
-        return list(await asyncio.gather(*(run_child(call) for call in calls)))
-
-    root = root_trajectory(task.id, 0, task.query)
-    try:
-        await play(root_plan(task), root)
-    finally:
-        await zygote.close()
-    return RolloutGroup(task=task, trajectories=[root, *trajectories])
+def _full_root_plan(query: str, n_papers: int) -> list[str]:
+    return root_plan(EvidenceTask(id="", query=query, paper_ids=[""] * n_papers, evidence=[]))
 
 
 async def teach(
     env: EvidenceEnv,
     tasks: Sequence[EvidenceTask],
-    tokenizer: ChatTokenizer,
-    *,
-    limits: AgentLimits | None = None,
-    repl_limits: ReplLimits | None = None,
-    concurrency: int = 4,
+    tokenizer: Tokenizer,
+    config: RolloutConfig | None = None,
 ) -> list[RolloutGroup]:
-    """One teacher tree per task (root + children), in task order; `concurrency` trees at once.
+    """One teacher tree per task (root + children), in task order, played by the `Scheduler`
+    on a scripted engine: the same admission, limits, REPLs and records as an RL rollout.
 
-    `limits` must allow children with a REPL (max_depth >= 1), the plans' 5 turns, and prompts
-    as long as the system prompt plus history in the student's tokens (default: 32k tokens).
+    `config` must allow children with a REPL (max_depth >= 1) and the plans' turns (5 in the
+    full style, 2 in the compact one) and its turns in max_new_tokens; default: the full style,
+    5 turns, 32k-token prompts, 2k-token turns.
     """
-    limits = limits or AgentLimits(max_turns=5, max_depth=1, max_prompt_tokens=32768)
-    if limits.max_depth < 1 or limits.max_turns < 5:
+    from rlmtrain.config import RolloutConfig
+    from rlmtrain.rollout.engines.sim import SimEngine, text_script
+    from rlmtrain.rollout.scheduler import Scheduler
+
+    config = config or RolloutConfig(
+        max_turns=5, max_depth=1, max_prompt_tokens=32768, max_new_tokens=2048
+    )
+    needed = 2 if config.prompt_style == "compact" else 5
+    if config.max_depth < 1 or config.max_turns < needed:
         raise ValueError(
-            f"evidence teacher: needs max_depth >= 1 and max_turns >= 5, got "
-            f"max_depth={limits.max_depth}, max_turns={limits.max_turns}"
+            f"evidence teacher: needs rollout.max_depth >= 1 and max_turns >= {needed}, got "
+            f"max_depth={config.max_depth}, max_turns={config.max_turns}"
         )
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(task: EvidenceTask) -> RolloutGroup:
-        async with gate:
-            return await _teach_one(env, task, tokenizer, limits, repl_limits)
-
-    groups = list(await asyncio.gather(*(one(task) for task in tasks)))
+    style = config.prompt_style
+    engine = SimEngine(
+        script=text_script(tokenizer, lambda text: reply(text, style)),
+        eos_id=tokenizer.eos_id,
+        max_batch_size=config.max_batch_size,
+        decode=tokenizer.decode,
+    )
+    scheduler = Scheduler(engine, tokenizer, config)
+    try:
+        groups = await scheduler.rollout(list(tasks), env, 1)
+    finally:
+        await engine.close()
     unfinished = Counter(
         t.finish_reason for g in groups for t in g.trajectories if t.finish_reason != "final"
     )
     if unfinished:
         # Most often "context": the byte tokenizer makes prompts ~4x longer than a BPE one, and
-        # the system prompt plus one list_papers output needs about 10k byte tokens.
+        # the full system prompt plus one list_papers output needs about 10k byte tokens.
         log.warning(
             "evidence teacher: %d of %d trajectories did not finish (%s); max_prompt_tokens=%d",
             sum(unfinished.values()),
             sum(len(g.trajectories) for g in groups),
             ", ".join(f"{reason}: {n}" for reason, n in unfinished.most_common()),
-            limits.max_prompt_tokens,
+            config.max_prompt_tokens,
         )
     return groups

@@ -462,9 +462,12 @@ def _queries(rng: random.Random, area: _Area, papers: list[_PaperSpec]) -> list[
     return makers[: rng.randint(1, 3)]
 
 
-def _group(rng: random.Random, group: int) -> tuple[_Area, list[_PaperSpec], list[_QuerySpec]]:
+def _group(
+    rng: random.Random, group: int, max_papers: int = 10
+) -> tuple[_Area, list[_PaperSpec], list[_QuerySpec]]:
     area = rng.choice(_AREAS)
     n = rng.choice((1, 2, 3)) if rng.random() < 0.15 else rng.randint(4, 10)
+    n = min(n, max_papers)
     heads = rng.sample(_NAME_HEADS, n)
     tails = [rng.choice(_NAME_TAILS) for _ in range(n)]
     techniques = rng.sample(area.techniques, max(1, min(len(area.techniques), (n + 1) // 2)))
@@ -646,10 +649,10 @@ class _GroupResult(msgspec.Struct):
     lost_spans: int
 
 
-def _make_group(args: tuple[int, int, str]) -> _GroupResult:
-    seed, group, pdf_dir = args
+def _make_group(args: tuple[int, int, str, int]) -> _GroupResult:
+    seed, group, pdf_dir, max_papers = args
     rng = random.Random(f"{seed}:{group}")
-    _, specs, queries = _group(rng, group)
+    _, specs, queries = _group(rng, group, max_papers)
     parsed: dict[str, Paper] = {}
     for spec in specs:
         path = Path(pdf_dir) / f"{spec.id}.pdf"
@@ -698,10 +701,13 @@ def synthesize(
     *,
     groups: int,
     seed: int = 0,
+    first_group: int = 0,
+    max_papers: int = 10,
     workers: int | None = None,
     progress: bool = False,
 ) -> SynthSummary:
-    """Write `out_dir/pdfs/*.pdf`, `out_dir/corpus.jsonl` and `out_dir/tasks.jsonl`."""
+    """Write `out_dir/pdfs/*.pdf`, `out_dir/corpus.jsonl` and `out_dir/tasks.jsonl` for groups
+    first_group .. first_group + groups - 1 (disjoint ranges never share a paper or a task)."""
     import time
 
     from tqdm import tqdm
@@ -710,11 +716,13 @@ def synthesize(
 
     if groups < 1:
         raise ValueError(f"groups must be >= 1, got {groups}")
+    if max_papers < 1:
+        raise ValueError(f"max_papers must be >= 1, got {max_papers}")
     began = time.perf_counter()
     out_dir = Path(out_dir)
     pdf_dir = out_dir / "pdfs"
     pdf_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(seed, g, str(pdf_dir)) for g in range(groups)]
+    jobs = [(seed, g, str(pdf_dir), max_papers) for g in range(first_group, first_group + groups)]
     workers = min(workers or os.cpu_count() or 1, groups)
     bar = tqdm(total=groups, desc="synth", unit="group", file=sys.stderr, disable=not progress)
     results: list[_GroupResult] = []

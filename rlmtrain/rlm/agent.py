@@ -41,6 +41,7 @@ from rlmtrain.rlm.extract import STOP_STRINGS, extract_code
 from rlmtrain.rlm.generation import Completion, GenerateFn, SamplingParams
 from rlmtrain.rlm.prompts import (
     Message,
+    PromptStyle,
     RLMEnv,
     SubcallMode,
     builtin_docs,
@@ -149,6 +150,9 @@ class Agent:
     limits: AgentLimits = field(default_factory=AgentLimits)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Temperature, top-p/k and seed; max_new_tokens and stops are set from limits per turn."""
+    prompt_style: PromptStyle = "full"
+    """How long the system prompt and the fresh messages are (`prompts.PromptStyle`); the env
+    writes its own strategy and root messages in the style it was built with."""
 
     def params(
         self, trajectory: Trajectory, turn: int, *, stop_strings: list[str]
@@ -257,12 +261,14 @@ async def run_trajectory(
                 subcalls=subcalls,
                 max_children_per_call=limits.max_children_per_call,
                 max_children_per_trajectory=limits.max_children_per_trajectory,
+                style=agent.prompt_style,
             ),
         ),
         budget=limits.history_budget_chars,
     )
     try:
         async with asyncio.timeout_at(deadline):
+            await _bind_query(session, trajectory.prompt)
             for turn_index in range(limits.max_turns):
                 ended = await run.turn(turn_index)
                 if ended is not None:
@@ -278,6 +284,14 @@ async def run_trajectory(
         _note_interrupted(trajectory, "[the trajectory was cancelled during this turn]")
         raise
     return trajectory
+
+
+async def _bind_query(session: Session, query: str) -> None:
+    """`query` in the REPL: the question this trajectory answers (a child's is its prompt), so
+    code can pass it on or cut names out of it instead of retyping it."""
+    result = await session.exec(f"query = {query!r}")
+    if result.error or result.dead:
+        raise RuntimeError(f"binding `query` in the REPL failed: {result.error or 'worker died'}")
 
 
 @dataclass(kw_only=True)
@@ -299,7 +313,9 @@ class _Run:
         if trajectory.is_root:
             fresh = agent.env.user_prompt(self.task, index, limits.max_turns)
         else:
-            fresh = query_message(trajectory.prompt, index, limits.max_turns)
+            fresh = query_message(
+                trajectory.prompt, index, limits.max_turns, style=agent.prompt_style
+            )
         prompt_ids, self.budget = _fit_prompt(
             agent, self.system, trajectory.turns, fresh, self.budget
         )

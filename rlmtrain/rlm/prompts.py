@@ -37,9 +37,11 @@ from rlmtrain.rlm.worker import load_tools
 
 __all__ = [
     "Message",
+    "PromptStyle",
     "RLMEnv",
     "SubcallMode",
     "builtin_docs",
+    "compact_query_message",
     "fenced",
     "history_messages",
     "plain_call_messages",
@@ -52,6 +54,11 @@ __all__ = [
 
 Message = dict[str, str]
 """{"role": "system" | "user" | "assistant", "content": str}"""
+
+PromptStyle = Literal["full", "compact"]
+"""full: strategy, every tool's docstring and the builtins at length (for pretrained models);
+compact: the strategy and a line per builtin in a few hundred tokens, the env's own strategy
+naming its tools (for small models trained from scratch, whose cost grows with every token)."""
 
 SubcallMode = Literal["repl", "plain", "none"]
 """What rlm_query does from this trajectory: runs a child with its own REPL, makes a plain LM
@@ -104,12 +111,15 @@ def builtin_docs(
     subcalls: SubcallMode,
     max_children_per_call: int,
     max_children_per_trajectory: int,
+    style: PromptStyle = "full",
 ) -> str:
     """The REPL and its builtins, as this trajectory sees them (its limits and depth)."""
+    if style == "compact":
+        return _compact_builtin_docs(subcalls, max_children_per_call)
     lines = [
         "You work in a persistent Python REPL. The input to study is the variable `context`: "
-        "it is not shown to you, so inspect it with code (its type, size, parts). Variables and "
-        "imports persist between turns.",
+        "it is not shown to you, so inspect it with code (its type, size, parts). The variable "
+        "`query` holds the query as text. Variables and imports persist between turns.",
         CODE_BLOCK_RULE,
         f"Example:\n{OPEN_FENCE}\nprint(type(context), len(context))\n{CLOSE_FENCE}",
         f"What the code prints (cut to {output_limit_chars} characters) and any error are shown "
@@ -142,10 +152,26 @@ def builtin_docs(
     return "\n".join(lines)
 
 
+def _compact_builtin_docs(subcalls: SubcallMode, max_children_per_call: int) -> str:
+    lines = [
+        f"Reply with one {OPEN_FENCE} block a turn; what it prints is shown next turn. "
+        "FINAL(answer) or FINAL_VAR(name) ends the task."
+    ]
+    if subcalls != "none":
+        lines.append(
+            "rlm_query(prompt, context) and rlm_query_batched(prompts, contexts) ask helpers "
+            f"(at most {max_children_per_call} a call)."
+        )
+    return "\n".join(lines)
+
+
 def system_prompt(env: RLMEnv, *, builtins: str) -> str:
-    """The environment's strategy, its tools' docs, then the builtin docs."""
+    """The environment's strategy, its tools' docs, then the builtin docs. An env whose strategy
+    is compact (`prompt_style = "compact"`) names its tools itself, so their docstrings are left
+    out; an env without a compact strategy keeps them whatever the builtins' style."""
     parts = [env.system_prompt().strip()]
-    docs = tool_docs(tuple(env.tool_modules()))
+    compact = getattr(env, "prompt_style", "full") == "compact"
+    docs = "" if compact else tool_docs(tuple(env.tool_modules()))
     if docs:
         parts.append("Tools (already defined in the REPL):\n\n" + docs)
     parts.append(builtins)
@@ -208,14 +234,21 @@ def history_messages(turns: Sequence[Turn], budget_chars: int) -> list[Message]:
     return messages
 
 
-def query_message(query: str, turn: int, max_turns: int) -> str:
+def query_message(query: str, turn: int, max_turns: int, style: PromptStyle = "full") -> str:
     """The fresh user message of a child trajectory (roots use the env's `user_prompt`)."""
+    if style == "compact":
+        return compact_query_message(query, turn, max_turns)
     left = max_turns - turn
     return (
         f"Query: {query}\n\n"
         f"This is turn {turn + 1} of {max_turns} ({left} left, this one included). "
         f"Answer with one {OPEN_FENCE} block; end with FINAL(answer) or FINAL_VAR(name)."
     )
+
+
+def compact_query_message(query: str, turn: int, max_turns: int) -> str:
+    """The compact style's fresh message: the query and the turn, nothing the model must skip."""
+    return f"Query: {query}\nTurn {turn + 1} of {max_turns}."
 
 
 def turn_messages(

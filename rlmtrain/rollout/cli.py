@@ -24,21 +24,32 @@ __all__ = ["RolloutProgress", "cli", "load_tasks"]
 
 
 def load_tasks(config: Config, env: Any) -> list[Any]:
-    """The run's tasks: `data.train_path`, or the synthetic evidence corpus (made once)."""
-    if config.data.train_path:
-        path = Path(config.data.train_path)
-    elif config.data.env == "evidence":
-        from rlmtrain.envs.synth import synthesize
+    """The run's training tasks (`Env.split_tasks(config, "rl")`), bad ones a ConfigError."""
+    try:
+        return env.split_tasks(config, "rl")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
-        out = Path(config.checkpoint.dir) / "data"
-        path = out / "tasks.jsonl"
-        if not path.is_file():
-            synthesize(out, groups=config.data.synth_groups, seed=config.data.seed, progress=True)
-    else:
-        raise ConfigError(f"data.train_path: required for env '{config.data.env}'")
-    if not path.is_file():
-        raise ConfigError(f"data.train_path: {path} not found")
-    return env.load_tasks(path)
+
+def _with_trained_tokenizer(config: Config) -> Config:
+    """'bpe' names the tokenizer `rlmtrain train` trained into `<checkpoint.dir>/tokenizer`; a
+    randomly initialised model then gets its vocabulary, as in training."""
+    import msgspec
+
+    if config.model.tokenizer != "bpe":
+        return config
+    folder = Path(config.checkpoint.dir) / "tokenizer"
+    if not (folder / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"model.tokenizer: 'bpe' is trained by `rlmtrain train` into {folder}, which has no "
+            "tokenizer.json yet; run train first or name a tokenizer folder"
+        )
+    model = msgspec.structs.replace(config.model, tokenizer=str(folder))
+    if not model.hf_dir and not model.vocab_size:
+        from rlmtrain.model.tokenizer import load_tokenizer
+
+        model = msgspec.structs.replace(model, vocab_size=load_tokenizer(str(folder)).vocab_size)
+    return msgspec.structs.replace(config, model=model)
 
 
 class RolloutProgress:
@@ -69,6 +80,7 @@ async def _rollout(config: Config, tasks: list[Any], env: Any, out: Path) -> str
     from rlmtrain.rollout.engines import build_engine
     from rlmtrain.rollout.scheduler import Scheduler
 
+    config = _with_trained_tokenizer(config)
     tokenizer = load_tokenizer(config.model.tokenizer, config.model.hf_dir)
     engine = build_engine(config, tokenizer)
     scheduler = Scheduler(engine, tokenizer, config.rollout)

@@ -314,6 +314,7 @@ class Scheduler:
             tokenizer=self.tokenizer,
             limits=self.limits,
             sampling=self.sampling,
+            prompt_style=self.config.prompt_style,
         )
 
     async def _run_with_repl(
