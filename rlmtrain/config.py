@@ -25,6 +25,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
     "JudgeConfig",
     "LoggingConfig",
     "ModelConfig",
@@ -57,8 +58,17 @@ class ModelConfig(_Section):
     ] = ""
     tokenizer: Annotated[
         str,
-        _doc("'byte' (built-in byte tokenizer) or a folder with tokenizer.json; empty = hf_dir's"),
+        _doc(
+            "'byte' (built-in), 'bpe' (trained on the run's own corpus, saved in "
+            "run_dir/tokenizer), or a folder with tokenizer.json; empty = hf_dir's"
+        ),
     ] = "byte"
+    bpe_vocab_size: Annotated[
+        int, _doc("vocabulary of the trained tokenizer when tokenizer = 'bpe'", ge=259)
+    ] = 2048
+    vocab_size: Annotated[
+        int, _doc("embedding rows of a randomly initialised model; 0 = the preset's", ge=0)
+    ] = 0
     dtype: Annotated[Literal["float32", "bfloat16"], _doc("parameter and activation dtype")] = (
         "float32"
     )
@@ -79,10 +89,25 @@ class DataConfig(_Section):
     train_path: Annotated[
         str, _doc("training tasks (msgspec JSONL); empty = synthesise into run_dir/data")
     ] = ""
-    eval_path: Annotated[str, _doc("held-out tasks (msgspec JSONL); empty = none")] = ""
+    sft_path: Annotated[
+        str,
+        _doc("SFT tasks for the scripted teacher; empty = synthesised (or train_path's if set)"),
+    ] = ""
+    eval_path: Annotated[
+        str, _doc("held-out evaluation tasks; empty = synthesised into run_dir/data/eval")
+    ] = ""
     synth_groups: Annotated[
-        int, _doc("paper groups to synthesise when train_path is empty", ge=1)
+        int, _doc("paper groups synthesised for RL when train_path is empty", ge=1)
     ] = 8
+    sft_groups: Annotated[
+        int, _doc("paper groups synthesised for SFT when sft_path and train_path are empty", ge=1)
+    ] = 4
+    eval_groups: Annotated[
+        int, _doc("paper groups synthesised for held-out evaluation when eval_path is empty", ge=1)
+    ] = 4
+    synth_max_papers: Annotated[
+        int, _doc("most papers in a synthesised group (multi-paper tasks need >= 2)", ge=1, le=10)
+    ] = 10
     seed: Annotated[int, _doc("seed for data synthesis and task order")] = 0
 
 
@@ -125,6 +150,10 @@ class RolloutConfig(_Section):
     tree_timeout_s: Annotated[
         float, _doc("wall-clock seconds for a whole tree before finish_reason=timeout", gt=0)
     ] = 600.0
+    prompt_style: Annotated[
+        Literal["full", "compact"],
+        _doc("system prompt and messages: full docs, or a few hundred tokens for small models"),
+    ] = "full"
     max_batch_size: Annotated[int, _doc("native engine: sequences decoded together", ge=1)] = 32
     kv_cache_tokens: Annotated[int, _doc("native engine: KV-cache capacity in tokens", ge=64)] = (
         65536
@@ -167,17 +196,32 @@ class AlgoConfig(_Section):
     tool_credit_alpha: Annotated[float, _doc("alpha of turn-level tool credit; 0 = off", ge=0)] = (
         0.0
     )
+    updates_per_batch: Annotated[
+        int,
+        _doc(
+            "optimizer updates per rollout batch (PPO-style passes); 1 = pi_old is the detached "
+            "current policy, > 1 = pi_old computed once before the first update",
+            ge=1,
+        ),
+    ] = 1
 
 
 class TrainConfig(_Section):
     steps: Annotated[int, _doc("optimizer steps of the main phase", ge=0)] = 20
     sft_steps: Annotated[int, _doc("supervised warm-up steps before RL", ge=0)] = 20
     tasks_per_step: Annotated[int, _doc("tasks (GRPO groups) per optimizer step", ge=1)] = 4
-    lr: Annotated[float, _doc("AdamW learning rate", gt=0)] = 1e-3
+    lr: Annotated[float, _doc("AdamW learning rate of the RL steps", gt=0)] = 1e-3
+    sft_lr: Annotated[float, _doc("AdamW learning rate of the SFT steps; 0 = lr", ge=0)] = 0.0
+    sft_step_tokens: Annotated[
+        int, _doc("tokens of teacher samples per SFT optimizer step (packed turns)", ge=16)
+    ] = 16384
     weight_decay: Annotated[float, _doc("AdamW weight decay", ge=0)] = 0.0
     grad_clip: Annotated[float, _doc("max global grad norm; 0 = off", ge=0)] = 1.0
     loss_impl: Annotated[
-        Literal["auto", "torch", "triton"], _doc("fused loss backend; auto = triton on CUDA")
+        Literal["auto", "torch", "triton", "unfused"],
+        _doc(
+            "LM-head loss: fused backend (auto = triton on CUDA), or unfused full logits (a check)"
+        ),
     ] = "auto"
     device: Annotated[
         str, _doc("'auto', 'cpu', 'cuda' or 'cuda:N'", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
@@ -197,6 +241,32 @@ class LoggingConfig(_Section):
     metrics_path: Annotated[
         str, _doc("JSONL file of per-step metrics; empty = run_dir/metrics.jsonl")
     ] = ""
+    progress: Annotated[bool, _doc("a progress bar over the whole run on stderr")] = True
+    tensorboard: Annotated[
+        bool, _doc("write TensorBoard events to run_dir/tb when tensorboard is installed")
+    ] = True
+    wandb_project: Annotated[str, _doc("Weights & Biases project; empty = no W&B")] = ""
+    wandb_mode: Annotated[
+        Literal["online", "offline"], _doc("W&B mode; offline needs no network")
+    ] = "offline"
+    sample_trees: Annotated[
+        int, _doc("rollout trees per RL step written to run_dir/samples.jsonl for auditing", ge=0)
+    ] = 2
+    plot: Annotated[bool, _doc("write run_dir/curves.png (reward and eval curves) at the end")] = (
+        True
+    )
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation (`rlmtrain eval`, and inside `train`)."""
+
+    tasks: Annotated[int, _doc("held-out tasks evaluated; 0 = every held-out task", ge=0)] = 0
+    samples: Annotated[int, _doc("k: trees sampled per task (pass@k)", ge=1)] = 1
+    every: Annotated[
+        int,
+        _doc("evaluate every N RL steps (also at init, after SFT and at the end); 0 = off", ge=0),
+    ] = 0
+    seed: Annotated[int, _doc("sampling seed of every evaluation (same seed, same numbers)")] = 1234
 
 
 class JudgeConfig(_Section):
@@ -231,6 +301,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
 
 
 SECTIONS: dict[str, type[_Section]] = {

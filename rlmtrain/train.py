@@ -4,15 +4,21 @@
 
 Read top to bottom, it is the whole loop of ARCHITECTURE.md on one process:
 
-1. data: the environment's tasks (the evidence corpus is synthesised, rendered to PDF and parsed
-   back when no task file is given);
-2. SFT: the environment's scripted teacher plays its tasks through the real REPL and trajectory
-   loop; trees with a REPL error or a zero score are dropped; every kept turn is an NLL sample;
-3. RL: each step rolls out `tasks_per_step` tasks × G roots with the scheduler on the engine,
-   scores roots, turns rewards into tree advantages and exact per-token weights, packs the turns
-   and takes one clipped-GRPO step through the fused loss; the new weights go to the engine by
-   their Hugging Face names;
-4. the final model is saved as a Hugging Face checkpoint.
+1. data: the env's three disjoint task sets (`Env.split_tasks`): the SFT slice, the RL tasks and
+   the held-out evaluation tasks, each from its file or synthesised from its own paper groups;
+2. tokenizer and model: a BPE trained on the run's own training text when `model.tokenizer` is
+   'bpe' (the model then gets exactly its vocabulary), the model from its preset or a checkpoint;
+3. SFT: the env's scripted teacher plays the SFT slice through the scheduler on a scripted
+   engine; trees with a REPL error or a zero score are dropped; every kept turn is an NLL
+   sample, batched by tokens (`train.sft_step_tokens`) and averaged over completion tokens;
+4. RL: each step rolls out `tasks_per_step` tasks x G roots with the scheduler on the engine
+   (sampling seeded per step), scores roots, turns rewards into tree advantages and exact
+   per-token weights, packs the turns and takes `algo.updates_per_batch` clipped-GRPO updates
+   through the fused loss; the new weights go to the engine by their Hugging Face names;
+5. evaluation of the held-out tasks (`evaluation.evaluate`) at init, after SFT, every
+   `eval.every` RL steps and at the end, all recorded by `runlog.RunLog` (metrics, evaluations,
+   sample trees, TensorBoard, W&B, the curves' PNG); the final model is saved as a Hugging Face
+   checkpoint with its tokenizer.
 
 Single-process (CPU or one GPU). FSDP2 sharding, vLLM colocation and resuming build on these
 same seams and are not wired here yet; a config asking for them stops with a clear error.
@@ -21,34 +27,41 @@ same seams and are not wired here yet; a config asking for them stops with a cle
 from __future__ import annotations
 
 import copy
-import importlib
+import functools
 import itertools
 import logging
 import math
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
+import numpy as np
 import torch
 import uvloop
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rlmtrain.algo import (
+    IGNORE_INDEX,
     MicroBatch,
     PackedBatches,
+    Sample,
     build_samples,
     build_sft_samples,
     compute_advantages,
     pack,
 )
+from rlmtrain.algo.unfused import unfused_grpo_loss, unfused_logprob, unfused_nll
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.devices import resolve_device
-from rlmtrain.envs.base import Env, Task, get_env
+from rlmtrain.envs.base import Env, Split, Task, TaskFormatError, get_env
+from rlmtrain.evaluation import evaluate
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
 from rlmtrain.model import Transformer, build_model, named_hf_tensors, save_hf
+from rlmtrain.model.bpe import copy_tokenizer_files, train_bpe
 from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
 from rlmtrain.rewards.exploration import (
     beta_schedule,
@@ -57,40 +70,50 @@ from rlmtrain.rewards.exploration import (
     tree_turns,
 )
 from rlmtrain.rewards.tool_credit import rule_credit
-from rlmtrain.rlm.agent import AgentLimits
-from rlmtrain.rlm.records import RolloutGroup, Trajectory
-from rlmtrain.rollout.cli import RolloutProgress, load_tasks
+from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rollout.engine import Engine, SamplingParams
 from rlmtrain.rollout.engines import build_engine
 from rlmtrain.rollout.scheduler import Scheduler
+from rlmtrain.runlog import RunLog
 
 log = logging.getLogger("rlmtrain.train")
 T = TypeVar("T")
 
-_TEACHERS = {
-    "evidence": "rlmtrain.envs.evidence_teacher",
-    "booknav": "rlmtrain.envs.booknav_teacher",
-    "codenav": "rlmtrain.envs.codenav_teacher",
-}
-
 
 def main(cfg: Config) -> int:
-    # ---------------------------------------------------------------- set-up
     logging.basicConfig(level=cfg.logging.level.upper(), format="%(message)s", stream=sys.stderr)
     _refuse_unwired(cfg)
-    device = resolve_device(cfg.train.device)
     random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
+    # Log lines print above the run's progress bar instead of cutting through it.
+    with logging_redirect_tqdm():
+        return uvloop.run(_train(cfg))
+
+
+async def _train(cfg: Config) -> int:
+    began = time.perf_counter()
+    device = resolve_device(cfg.train.device)
     run_dir = Path(cfg.checkpoint.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = _MetricsLog(Path(cfg.logging.metrics_path or run_dir / "metrics.jsonl"))
 
     # ---------------------------------------------------------------- data
     env = get_env(cfg.data.env, cfg)
-    tasks = load_tasks(cfg, env)
-    log.info("data: %d %s tasks", len(tasks), cfg.data.env)
+    sft_tasks = _split(env, cfg, "sft") if cfg.train.sft_steps else []
+    rl_tasks = _split(env, cfg, "rl") if cfg.train.steps else []
+    eval_tasks = _split(env, cfg, "eval") if cfg.eval.every else []
+    if cfg.eval.tasks:
+        eval_tasks = eval_tasks[: cfg.eval.tasks]
+    log.info(
+        "data: %s, %d SFT / %d RL / %d held-out tasks",
+        cfg.data.env,
+        len(sft_tasks),
+        len(rl_tasks),
+        len(eval_tasks),
+    )
 
-    # ---------------------------------------------------------------- model
-    tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.hf_dir)
+    # ---------------------------------------------------------------- tokenizer and model
+    cfg, tokenizer, tokenizer_dir = _tokenizer(cfg, env, [*sft_tasks, *rl_tasks], run_dir)
     model = build_model(cfg.model).to(device)
     if tokenizer.vocab_size > model.args.vocab_size:
         raise ConfigError(
@@ -98,46 +121,96 @@ def main(cfg: Config) -> int:
             f"{model.args.vocab_size} embeddings"
         )
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+        model.parameters(), lr=cfg.train.sft_lr or cfg.train.lr, weight_decay=cfg.train.weight_decay
     )
-    log.info("model: %s, %.2fM parameters on %s", cfg.model.preset, _millions(model), device)
+    log.info(
+        "model: %s, %.2fM parameters, vocabulary %d, on %s",
+        cfg.model.preset,
+        _millions(model),
+        model.args.vocab_size,
+        device,
+    )
+    # The engine serves its own copy of the policy, kept in step through update_weights by HF
+    # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
+    engine = build_engine(cfg, tokenizer)
+    runlog = RunLog(cfg, run_dir)
+    save = functools.partial(_save, model, tokenizer_dir)
 
-    # ---------------------------------------------------------------- SFT warm-up
-    if cfg.train.sft_steps:
-        teacher_groups, scorer = _teacher_groups(cfg, env, tasks, tokenizer)
-        picks = _batches(teacher_groups, cfg.train.tasks_per_step)
-        for step in range(cfg.train.sft_steps):
-            began = time.perf_counter()
-            pick = next(picks)
-            samples, stats = build_sft_samples(pick, scorer, cfg.algo)
-            if not samples:
-                log.info("sft %d: no teacher tree kept (%s), skipped", step, _stats_line(stats))
-                continue
-            batches = pack(
-                samples, cfg.algo.micro_batch_tokens, truncate=cfg.algo.truncate_long_samples
-            )
-            row = _sft_step(model, optimizer, batches, cfg, device)
-            row.update(phase="sft", step=step, seconds=time.perf_counter() - began)
-            metrics.write(row)
-            _maybe_save(model, cfg, "sft", step)
-            if step % cfg.logging.every == 0 or step == cfg.train.sft_steps - 1:
-                log.info(
-                    "sft %3d  nll %.4f  entropy %.3f  tokens %d  %.0f tok/s",
-                    step,
-                    row["loss"],
-                    row["entropy"],
-                    row["tokens"],
-                    row["tokens"] / row["seconds"],
+    async def evaluate_now(phase: str, step: int) -> None:
+        if not eval_tasks:
+            return
+        await engine.update_weights(named_hf_tensors(model))
+        report = await evaluate(
+            cfg, model, tokenizer, env, eval_tasks, engine=engine, phase=phase, step=step
+        )
+        runlog.eval(report)
+        log.info(
+            "eval %-5s step %3d  reward %s  spawn rate %s  children/root %.2f  (%d tasks, %.0f s)",
+            phase,
+            step,
+            _number(report["reward_mean"]),
+            _percent(report["spawn_rate"]),
+            report["children_per_root"],
+            report["tasks"],
+            report["seconds"],
+        )
+
+    try:
+        await evaluate_now("init", 0)
+
+        # ------------------------------------------------------------ SFT warm-up
+        if cfg.train.sft_steps:
+            samples = await _teacher_samples(cfg, env, sft_tasks, tokenizer)
+            batches = _token_batches(samples, cfg.train.sft_step_tokens)
+            for step in range(cfg.train.sft_steps):
+                step_began = time.perf_counter()
+                packed = pack(
+                    next(batches),
+                    cfg.algo.micro_batch_tokens,
+                    truncate=cfg.algo.truncate_long_samples,
                 )
+                row = _sft_step(model, optimizer, packed, cfg, device)
+                row.update(phase="sft", step=step, seconds=time.perf_counter() - step_began)
+                runlog.step(row)
+                _maybe_save(save, cfg, "sft", step)
+                if step % cfg.logging.every == 0 or step == cfg.train.sft_steps - 1:
+                    log.info(
+                        "sft %3d  nll %.4f  entropy %.3f  tokens %d  %.0f tok/s",
+                        step,
+                        row["loss"],
+                        row["entropy"],
+                        row["tokens"],
+                        row["tokens"] / row["seconds"],
+                    )
+            for group in optimizer.param_groups:
+                group["lr"] = cfg.train.lr
+            await evaluate_now("sft", cfg.train.sft_steps)
 
-    # ---------------------------------------------------------------- RL
-    if cfg.train.steps:
-        uvloop.run(_rl(cfg, model, optimizer, tokenizer, env, tasks, device, metrics))
+        # ------------------------------------------------------------ RL
+        if cfg.train.steps:
+            await _rl(
+                cfg,
+                model,
+                optimizer,
+                tokenizer,
+                env,
+                rl_tasks,
+                device,
+                engine,
+                runlog,
+                save,
+                evaluate_now,
+            )
+            await evaluate_now("final", cfg.train.sft_steps + cfg.train.steps)
 
-    # ---------------------------------------------------------------- save
-    out = run_dir / "final"
-    save_hf(model, out)
-    log.info("saved %s", out)
+        # ------------------------------------------------------------ save
+        out = save(run_dir / "final")
+        log.info("saved %s (%.0f s in all)", out, time.perf_counter() - began)
+        if eval_tasks:
+            sys.stderr.write(runlog.summary_table() + "\n")
+    finally:
+        runlog.close()
+        await engine.close()
     return 0
 
 
@@ -152,111 +225,119 @@ async def _rl(
     env: Env,
     tasks: list[Task],
     device: torch.device,
-    metrics: _MetricsLog,
+    engine: Engine,
+    runlog: RunLog,
+    save: Callable[[Path], Path],
+    evaluate_now: Callable[[str, int], Awaitable[None]],
 ) -> None:
-    # The engine serves its own copy of the policy, kept in step through update_weights by HF
-    # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
-    engine = build_engine(cfg, tokenizer)
     await engine.update_weights(named_hf_tensors(model))
-    scheduler = Scheduler(engine, tokenizer, cfg.rollout)
     # The k3 KL anchors the policy to where RL started (after SFT): a frozen copy of it.
     reference = _frozen_copy(model) if cfg.algo.kl_beta > 0 else None
     picks = _batches(tasks, cfg.train.tasks_per_step)
-    try:
-        for step in range(cfg.train.steps):
-            began = time.perf_counter()
-            batch = next(picks)
-            progress = RolloutProgress(len(batch) * cfg.rollout.n_samples, engine)
-            scheduler.on_tree_done = progress.tree_done
-            try:
-                groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples)
-            finally:
-                progress.close()
-            scores = await env.root_scores(batch, groups)
-            rewards = _with_exploration_bonus(groups, scores, cfg, step)
-            credit = _tool_credit(groups) if cfg.algo.tool_credit_alpha > 0 else None
-            advantages, adv_stats = compute_advantages(
-                groups, rewards, cfg.algo, tool_credit=credit
+    for step in range(cfg.train.steps):
+        began = time.perf_counter()
+        batch = next(picks)
+        # Seeded per step: each request's stream comes from (seed, trajectory id, turn), so a
+        # rerun samples the same trees whatever order the engine batched them in.
+        sampling = SamplingParams(
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            seed=cfg.train.seed * 1_000_003 + step,
+        )
+        scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
+        groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples)
+        scores = await env.root_scores(batch, groups)
+        rewards = _with_exploration_bonus(groups, scores, cfg, step)
+        credit = _tool_credit(groups) if cfg.algo.tool_credit_alpha > 0 else None
+        advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo, tool_credit=credit)
+        flat = [r for rs in scores for r in rs if r is not None]
+        row: dict[str, Any] = {
+            "phase": "rl",
+            "step": step,
+            "reward_mean": _mean(flat),
+            "groups_kept": len(advantages),
+            "groups_dropped_uniform": adv_stats.groups_dropped_uniform,
+            "roots_unscored": adv_stats.roots_unscored,
+            **_rollout_row(scheduler, groups),
+        }
+        samples = build_samples(groups, advantages, cfg.algo, num_groups=max(1, len(advantages)))
+        if samples:
+            train_began = time.perf_counter()
+            packed = pack(
+                samples, cfg.algo.micro_batch_tokens, truncate=cfg.algo.truncate_long_samples
             )
-            row: dict[str, Any] = {
-                "phase": "rl",
-                "step": step,
-                "reward_mean": _mean(r for rs in scores for r in rs if r is not None),
-                "groups_kept": len(advantages),
-                "groups_dropped_uniform": adv_stats.groups_dropped_uniform,
-                "roots_unscored": adv_stats.roots_unscored,
-                **_rollout_row(scheduler),
-            }
-            samples = build_samples(
-                groups, advantages, cfg.algo, num_groups=max(1, len(advantages))
+            row.update(_grpo_step(model, optimizer, packed, cfg, device, reference))
+            row["train_s"] = time.perf_counter() - train_began
+            sync_began = time.perf_counter()
+            await engine.update_weights(named_hf_tensors(model))
+            row["sync_s"] = time.perf_counter() - sync_began
+        row["seconds"] = time.perf_counter() - began
+        runlog.step(row)
+        runlog.samples("rl", step, groups, scores)
+        runlog.histograms(
+            "rl",
+            step,
+            reward=flat,
+            advantage=[float(a) for sample in samples for a in sample.advantages],
+            response_length=[
+                len(turn.completion_ids)
+                for group in groups
+                for trajectory in group.trajectories
+                for turn in trajectory.turns
+            ],
+        )
+        _maybe_save(save, cfg, "rl", step)
+        if step % cfg.logging.every == 0 or step == cfg.train.steps - 1:
+            log.info(
+                "rl %3d  reward %.3f  groups %d/%d  loss %s  tokens %d  rollout %.1f s  "
+                "step %.1f s  finish %s",
+                step,
+                row["reward_mean"],
+                len(advantages),
+                len(groups),
+                f"{row['loss']:.4f}" if "loss" in row else "-",
+                row.get("tokens", 0),
+                row["rollout_s"],
+                row["seconds"],
+                row["finish_reasons"],
             )
-            if samples:
-                batches = pack(
-                    samples, cfg.algo.micro_batch_tokens, truncate=cfg.algo.truncate_long_samples
-                )
-                row.update(_grpo_step(model, optimizer, batches, cfg, device, reference))
-                await engine.update_weights(named_hf_tensors(model))
-            _maybe_save(model, cfg, "rl", step)
-            row["seconds"] = time.perf_counter() - began
-            metrics.write(row)
-            if step % cfg.logging.every == 0 or step == cfg.train.steps - 1:
-                log.info(
-                    "rl %3d  reward %.3f  groups %d/%d  loss %s  tokens %d  rollout %.1f s  "
-                    "step %.1f s  finish %s",
-                    step,
-                    row["reward_mean"],
-                    len(advantages),
-                    len(groups),
-                    f"{row['loss']:.4f}" if "loss" in row else "-",
-                    row.get("tokens", 0),
-                    row["rollout_s"],
-                    row["seconds"],
-                    row["finish_reasons"],
-                )
-    finally:
-        await engine.close()
+        every = cfg.eval.every
+        if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
+            await evaluate_now("rl", cfg.train.sft_steps + step + 1)
 
 
 # ==================================================================== train steps
 
 
-def _forward(
-    model: Transformer, mb: MicroBatch, device: torch.device
-) -> tuple[MicroBatch, torch.Tensor]:
-    mb = mb.to(device)
-    return mb, model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-
-
 def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> dict[str, Any]:
-    """One optimizer step of weighted NLL over every micro-batch (weights sum to the objective)."""
+    """One optimizer step of weighted NLL over every micro-batch (weights sum to the objective);
+    the step's sums stay on the device and are read once."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    total_loss, entropy_sum, trained = 0.0, 0.0, 0
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, entropy sum, trained
     for mb in batches.micro_batches():
         if mb.num_tokens == 0:
             continue
-        mb, hidden = _forward(model, mb, device)
-        loss, entropy = fused_linear_nll(
-            hidden,
-            model.lm_head_weight,
-            mb.targets,
-            mb.weights,
-            return_entropy=True,
-            impl=cfg.train.loss_impl,
+        mb = mb.to(device)
+        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+        loss, entropy = _head(cfg).nll(
+            hidden, model.lm_head_weight, mb.targets, mb.weights, return_entropy=True
         )
         loss.backward()
-        mask = mb.targets != -100
-        total_loss += loss.item()
-        entropy_sum += float(entropy[mask].sum())
-        trained += int(mask.sum())
+        mask = mb.targets != IGNORE_INDEX
+        sums += torch.stack([loss.detach(), entropy.detach()[mask].sum(), mask.sum()]).double()
     grad_norm = _clip_and_step(model, optimizer, cfg)
+    loss_sum, entropy_sum, trained = sums.tolist()
     return {
-        "loss": total_loss,
-        "entropy": entropy_sum / max(1, trained),
+        "loss": loss_sum,
+        "entropy": entropy_sum / max(1.0, trained),
         "tokens": batches.stats.tokens,
-        "trained_tokens": trained,
+        "trained_tokens": int(trained),
         "grad_norm": grad_norm,
     }
+
+
+_GRPO_SUMS = ("loss", "clip_frac_low", "clip_frac_high", "tis_clipped_frac", "kl_mean", "entropy")
 
 
 def _grpo_step(
@@ -267,57 +348,95 @@ def _grpo_step(
     device: torch.device,
     reference: Transformer | None = None,
 ) -> dict[str, Any]:
-    """One clipped-GRPO step over every micro-batch. pi_old is the policy before this step (one
-    update per rollout) and pi_ref the frozen `reference`, both from no-grad passes; the engine's
-    log-probs enter through truncated IS."""
+    """Clipped-GRPO updates over the rollout batch's micro-batches.
+
+    With one update per batch (`algo.updates_per_batch = 1`) pi_old is the detached current
+    policy, which the fused loss takes as `old_logp=None`: no second forward. With more, the
+    micro-batches are split into that many mini-batches, pi_old is computed once before the
+    first update, and the clip then acts. pi_ref is the frozen `reference`; the engine's
+    log-probs enter through truncated IS. Metrics are summed on the device and read once.
+    """
     micro = [mb.to(device) for mb in batches.micro_batches() if mb.num_tokens]
-    old = [_logprobs(model, mb, cfg) for mb in micro]
+    updates = min(cfg.algo.updates_per_batch, len(micro))
+    old = [_logprobs(model, mb, cfg) if updates > 1 else None for mb in micro]
     ref = [_logprobs(reference, mb, cfg) if reference is not None else None for mb in micro]
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    sums = dict.fromkeys(("loss", "clip_frac_low", "clip_frac_high", "kl_mean"), 0.0)
-    mismatch = 0.0
-    for mb, old_logp, ref_logp in zip(micro, old, ref, strict=True):
-        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-        loss, m = fused_linear_grpo_loss(
-            hidden,
-            model.lm_head_weight,
-            mb.targets,
-            old_logp,
-            mb.advantages,
-            mb.weights,
-            ref_logp=ref_logp,
-            beta=cfg.algo.kl_beta,
-            clip_low=cfg.algo.clip_low,
-            clip_high=cfg.algo.clip_high,
-            dual_clip=cfg.algo.dual_clip or None,
-            sampler_logp=mb.sampler_logp if cfg.algo.tis_cap else None,
-            tis_cap=cfg.algo.tis_cap or None,
-            impl=cfg.train.loss_impl,
-        )
-        loss.backward()
-        share = mb.num_tokens / batches.stats.tokens
-        sums["loss"] += loss.item()
-        sums["clip_frac_low"] += float(m.clip_low_frac) * share
-        sums["clip_frac_high"] += float(m.clip_high_frac) * share
-        sums["kl_mean"] += float(m.kl_mean) * share
-        trained = mb.targets != -100
-        if trained.any():
-            gap = (old_logp - mb.sampler_logp)[trained].abs().max()
-            mismatch = max(mismatch, float(gap))
-    return {
-        **sums,
-        "engine_logp_max_abs_diff": mismatch,
-        "tokens": batches.stats.tokens,
-        "grad_norm": _clip_and_step(model, optimizer, cfg),
-    }
+    sums = torch.zeros(len(_GRPO_SUMS), dtype=torch.float64, device=device)
+    mismatch = torch.zeros((), dtype=torch.float64, device=device)
+    norms = []
+    for chunk in np.array_split(np.arange(len(micro)), updates):
+        optimizer.zero_grad(set_to_none=True)
+        for i in chunk.tolist():
+            mb = micro[i]
+            hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+            loss, m, entropy = _head(cfg).grpo(
+                hidden,
+                model.lm_head_weight,
+                mb.targets,
+                old[i],
+                mb.advantages,
+                mb.weights,
+                ref_logp=ref[i],
+                beta=cfg.algo.kl_beta,
+                clip_low=cfg.algo.clip_low,
+                clip_high=cfg.algo.clip_high,
+                dual_clip=cfg.algo.dual_clip or None,
+                sampler_logp=mb.sampler_logp if cfg.algo.tis_cap else None,
+                tis_cap=cfg.algo.tis_cap or None,
+                temperature=cfg.rollout.temperature,
+                return_entropy=True,
+            )
+            # Each mini-batch's weights are its share of the whole objective; scaled back up,
+            # every update sees a gradient of the objective's size.
+            (loss * updates).backward()
+            trained = mb.targets != IGNORE_INDEX
+            share = mb.num_tokens / batches.stats.tokens
+            sums += torch.stack(
+                [
+                    loss.detach(),
+                    m.clip_low_frac * share,
+                    m.clip_high_frac * share,
+                    m.tis_clipped_frac * share,
+                    m.kl_mean * share,
+                    entropy.detach()[trained].mean() * share,
+                ]
+            ).double()
+            if old[i] is not None and trained.any():
+                gap = (old[i] - mb.sampler_logp)[trained].abs().max().double()
+                mismatch = torch.maximum(mismatch, gap)
+        norms.append(_clip_and_step(model, optimizer, cfg))
+    row = dict(zip(_GRPO_SUMS, sums.tolist(), strict=True))
+    if updates > 1:
+        row["engine_logp_max_abs_diff"] = float(mismatch)
+    row.update(tokens=batches.stats.tokens, updates=updates, grad_norm=max(norms))
+    return row
 
 
 @torch.no_grad()
 def _logprobs(model: Transformer, mb: MicroBatch, cfg: Config) -> torch.Tensor:
     model.eval()
     hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-    return fused_linear_logprob(hidden, model.lm_head_weight, mb.targets, impl=cfg.train.loss_impl)
+    return _head(cfg).logprob(
+        hidden, model.lm_head_weight, mb.targets, temperature=cfg.rollout.temperature
+    )
+
+
+class _HeadOps(NamedTuple):
+    logprob: Callable[..., Any]
+    nll: Callable[..., Any]
+    grpo: Callable[..., Any]
+
+
+def _head(cfg: Config) -> _HeadOps:
+    """The LM-head losses `train.loss_impl` names: the fused ops, or the unfused check."""
+    if cfg.train.loss_impl == "unfused":
+        return _HeadOps(unfused_logprob, unfused_nll, unfused_grpo_loss)
+    impl = cfg.train.loss_impl
+    return _HeadOps(
+        functools.partial(fused_linear_logprob, impl=impl),
+        functools.partial(fused_linear_nll, impl=impl),
+        functools.partial(fused_linear_grpo_loss, impl=impl),
+    )
 
 
 def _frozen_copy(model: Transformer) -> Transformer:
@@ -351,14 +470,6 @@ def _tool_credit(groups: list[RolloutGroup]) -> dict[str, list[int]]:
     return labels
 
 
-def _maybe_save(model: Transformer, cfg: Config, phase: str, step: int) -> None:
-    every = cfg.checkpoint.every
-    if every and (step + 1) % every == 0:
-        out = Path(cfg.checkpoint.dir) / f"{phase}-step{step + 1}"
-        save_hf(model, out)
-        log.info("saved %s", out)
-
-
 def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Config) -> float:
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
@@ -368,7 +479,7 @@ def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Co
     return norm
 
 
-# ==================================================================== helpers
+# ==================================================================== data, tokenizer, saving
 
 
 def _refuse_unwired(cfg: Config) -> None:
@@ -380,37 +491,127 @@ def _refuse_unwired(cfg: Config) -> None:
         raise ConfigError("checkpoint.resume: resuming is not wired into train yet")
 
 
-def _teacher_groups(
-    cfg: Config, env: Env, tasks: list[Task], tokenizer: Tokenizer
-) -> tuple[list[RolloutGroup], Callable[[Trajectory, Any], float]]:
-    """The teacher's trees for every task, and the SFT filter's score: the env's own reward of
-    each root (span F1 for evidence without a judge), unscored counted as 0."""
-    teacher = importlib.import_module(_TEACHERS[cfg.data.env])
+def _split(env: Env, cfg: Config, split: Split) -> list[Task]:
+    """One of the run's task sets; a missing or unusable source is a ConfigError naming its key
+    (a malformed line stays a TaskFormatError naming file and line)."""
+    key = {"sft": "sft_path" if cfg.data.sft_path else "train_path", "rl": "train_path"}
+    try:
+        tasks = env.split_tasks(cfg, split)
+    except TaskFormatError:
+        raise
+    except (ValueError, FileNotFoundError) as exc:
+        message = str(exc)
+        if not message.startswith("data."):
+            message = f"data.{key.get(split, 'eval_path')}: {message}"
+        raise ConfigError(message) from None
+    if not tasks:
+        raise ConfigError(f"data: the {split} split has no tasks")
+    return tasks
+
+
+def _tokenizer(
+    cfg: Config, env: Env, tasks: list[Task], run_dir: Path
+) -> tuple[Config, Tokenizer, Path | None]:
+    """The run's tokenizer and the config that names it: 'bpe' is trained here on the run's own
+    training text (never the held-out split's) into run_dir/tokenizer, and a randomly
+    initialised model then gets exactly that many embedding rows unless model.vocab_size says."""
+    if cfg.model.tokenizer != "bpe":
+        tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.hf_dir)
+        folder = Path(cfg.model.tokenizer or cfg.model.hf_dir)
+        return cfg, tokenizer, folder if cfg.model.tokenizer != "byte" else None
+    if cfg.model.hf_dir:
+        raise ConfigError("model.tokenizer: 'bpe' trains a new vocabulary; a loaded hf_dir has one")
+    folder = run_dir / "tokenizer"
     began = time.perf_counter()
+    tokenizer = train_bpe(env.vocabulary_texts(tasks), cfg.model.bpe_vocab_size, folder)
+    log.info(
+        "tokenizer: BPE of %d ids trained in %.1f s (%s)",
+        tokenizer.vocab_size,
+        time.perf_counter() - began,
+        folder,
+    )
+    model = msgspec.structs.replace(
+        cfg.model, tokenizer=str(folder), vocab_size=cfg.model.vocab_size or tokenizer.vocab_size
+    )
+    return msgspec.structs.replace(cfg, model=model), tokenizer, folder
 
-    async def play() -> tuple[list[RolloutGroup], dict[str, float]]:
-        limits = AgentLimits.from_config(cfg.rollout)
-        groups = await teacher.teach(env, tasks, tokenizer, limits=limits)
-        scores: dict[str, float] = {}
-        for group, values in zip(groups, await env.root_scores(tasks, groups), strict=True):
-            for root, value in zip(group.roots, values, strict=True):
-                scores[root.id] = 0.0 if value is None else value
-        return groups, scores
 
-    groups, scores = uvloop.run(play())
+async def _teacher_samples(
+    cfg: Config, env: Env, tasks: list[Task], tokenizer: Tokenizer
+) -> list[Sample]:
+    """The SFT samples: the env's scripted teacher plays `tasks` through the scheduler; trees
+    with a REPL error or a zero score (the env's own reward) are dropped (SPEC.md §5)."""
+    began = time.perf_counter()
+    groups = await env.teach(tasks, tokenizer, cfg)
+    scores = {}
+    for group, values in zip(groups, await env.root_scores(tasks, groups), strict=True):
+        for root, value in zip(group.roots, values, strict=True):
+            scores[root.id] = 0.0 if value is None else value
+    samples, stats = build_sft_samples(groups, lambda root, task: scores[root.id], cfg.algo)
     turns = sum(len(t.turns) for g in groups for t in g.trajectories)
     log.info(
-        "sft: teacher played %d tasks (%d turns, mean score %.3f) in %.1f s",
+        "sft: teacher played %d tasks (%d turns, mean score %.3f) in %.1f s; kept %s; "
+        "%d samples, %d completion tokens",
         len(groups),
         turns,
         _mean(scores.values()),
         time.perf_counter() - began,
+        _stats_line(stats),
+        len(samples),
+        sum(s.completion_len for s in samples),
     )
-    return groups, lambda root, task: scores[root.id]
+    if not samples:
+        raise ConfigError(f"train.sft_steps: the teacher kept no tree ({_stats_line(stats)})")
+    return samples
 
 
-def _rollout_row(scheduler: Scheduler) -> dict[str, Any]:
+def _token_batches(samples: list[Sample], budget: int) -> Iterator[list[Sample]]:
+    """SFT batches of about `budget` tokens, endlessly, reshuffled every pass; each batch's
+    weights are re-normalised to the mean over its completion tokens (plain SFT NLL)."""
+    order = list(range(len(samples)))
+    while True:
+        random.shuffle(order)
+        batch: list[Sample] = []
+        tokens = 0
+        for index in order:
+            batch.append(samples[index])
+            tokens += samples[index].length
+            if tokens >= budget:
+                yield _token_mean(batch)
+                batch, tokens = [], 0
+        if batch:
+            yield _token_mean(batch)
+
+
+def _token_mean(batch: list[Sample]) -> list[Sample]:
+    total = sum(s.completion_len for s in batch)
+    return [
+        msgspec.structs.replace(s, weights=np.full(s.completion_len, 1.0 / total, np.float32))
+        for s in batch
+    ]
+
+
+def _save(model: Transformer, tokenizer_dir: Path | None, out: Path) -> Path:
+    """The model as a Hugging Face checkpoint, with the tokenizer files it was trained with."""
+    save_hf(model, out)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, out)
+    return out
+
+
+def _maybe_save(save: Callable[[Path], Path], cfg: Config, phase: str, step: int) -> None:
+    every = cfg.checkpoint.every
+    if every and (step + 1) % every == 0:
+        out = save(Path(cfg.checkpoint.dir) / f"{phase}-step{step + 1}")
+        log.info("saved %s", out)
+
+
+# ==================================================================== helpers
+
+
+def _rollout_row(scheduler: Scheduler, groups: list[RolloutGroup]) -> dict[str, Any]:
     m = scheduler.metrics
+    roots = [root for group in groups for root in group.roots]
     return {
         "rollout_s": m.wall_s,
         "generated_tokens": m.generated_tokens,
@@ -418,6 +619,7 @@ def _rollout_row(scheduler: Scheduler) -> dict[str, Any]:
         "engine_occupancy": m.engine_occupancy,
         "finish_reasons": m.finish_reasons,
         "children_per_root": m.children_per_root_mean,
+        "spawn_rate": _mean(bool(root.children) for root in roots),
     }
 
 
@@ -438,21 +640,17 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _number(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.3f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.0%}"
+
+
 def _millions(model: torch.nn.Module) -> float:
     return sum(p.numel() for p in model.parameters()) / 1e6
 
 
 def _stats_line(stats: msgspec.Struct) -> str:
     return ", ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(stats).items())
-
-
-class _MetricsLog:
-    """Per-step metrics as JSON lines, flushed every step so a killed run keeps its curve."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "ab")  # noqa: SIM115 - lives as long as the run
-
-    def write(self, row: dict[str, Any]) -> None:
-        self._file.write(msgspec.json.encode(row) + b"\n")
-        self._file.flush()

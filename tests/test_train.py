@@ -79,6 +79,10 @@ def test_sft_then_grpo_end_to_end(tmp_path, codenav_tasks):
         "--algo.kl_beta=0.01",
         "--algo.exploration_beta=0.1",
         "--algo.tool_credit_alpha=0.5",
+        "--model.tokenizer=byte",
+        "--rollout.prompt_style=full",
+        "--rollout.max_prompt_tokens=12288",
+        "--eval.every=0",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -88,7 +92,7 @@ def test_sft_then_grpo_end_to_end(tmp_path, codenav_tasks):
     assert sft[-1]["loss"] < sft[0]["loss"], [r["loss"] for r in sft]
     assert sum(rl[0]["finish_reasons"].values()) >= 2  # G = 2 roots at least
     assert rl[0]["generated_tokens"] > 0
-    saved = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and p.name != "data")
+    saved = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and p.name not in ("data", "tb"))
     assert saved == ["final", "rl-step2", "sft-step2", "sft-step4"]
     model = load_hf(run_dir / "final")
     assert model.args.vocab_size == 384
@@ -156,6 +160,119 @@ def test_grpo_step_moves_the_policy_with_kl_and_tis():
     row = train._grpo_step(model, optimizer, batches, cfg, torch.device("cpu"), reference)
     assert torch.isfinite(torch.tensor(row["loss"]))
     assert row["kl_mean"] == pytest.approx(0.0, abs=1e-6)
-    assert row["engine_logp_max_abs_diff"] < 1e-4
+    assert row["tis_clipped_frac"] == 0.0  # the engine's log-probs equal the trainer's
     assert row["grad_norm"] > 0
     assert sum(engine_logprobs(completions[0])) > before
+
+
+def _hand_made_batches(model, cfg, n_roots: int = 4):
+    """A group of `n_roots` one-turn roots with engine log-probs of `model`, packed in
+    micro-batches of one sample each."""
+    import torch
+    from rlmtrain.kernels import fused_linear_logprob
+
+    from rlmtrain.algo import build_samples, compute_advantages, pack
+    from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
+
+    prompt = list(b"<|im_start|>user\nsay hi<|im_end|>\n")
+    roots = []
+    for g in range(n_roots):
+        ids = list(f"reply number {g}".encode())
+        full = torch.tensor(prompt + ids)
+        with torch.no_grad():
+            hidden = model(full[:-1], torch.arange(len(full) - 1), torch.tensor([0, len(full) - 1]))
+            logp = fused_linear_logprob(hidden, model.lm_head_weight, full[1:])
+        turn = Turn(
+            prompt_ids=prompt, completion_ids=ids, sampler_logprobs=logp[len(prompt) - 1 :].tolist()
+        )
+        roots.append(
+            Trajectory(
+                id=f"t#{g}", root_id=f"t#{g}", parent_id=None, depth=0, task_id="t",
+                sample_idx=g, prompt="say hi", finish_reason="final", answer="x", turns=[turn],
+            )
+        )  # fmt: skip
+    group = RolloutGroup(task={"id": "t"}, trajectories=roots)
+    advantages, _ = compute_advantages([group], [[float(g) for g in range(n_roots)]], cfg.algo)
+    return pack(build_samples([group], advantages, cfg.algo), len(prompt) + 20)
+
+
+@pytest.mark.parametrize("updates", [1, 2])
+def test_grpo_step_forwards(updates, monkeypatch):
+    """One update per batch runs one forward per micro-batch (pi_old is the detached policy,
+    `old_logp=None`); two updates compute pi_old once first (a no-grad forward per micro-batch)
+    and then step twice."""
+    import msgspec
+    import torch
+
+    from rlmtrain import train
+    from rlmtrain.config import Config, ModelConfig
+    from rlmtrain.model import Transformer, build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig())
+    cfg = Config()
+    cfg = msgspec.structs.replace(
+        cfg, algo=msgspec.structs.replace(cfg.algo, updates_per_batch=updates)
+    )
+    batches = _hand_made_batches(model, cfg)
+    micro = sum(1 for mb in batches.micro_batches() if mb.num_tokens)
+    assert micro == 4
+    forwards = []
+    original = Transformer.forward
+    monkeypatch.setattr(
+        Transformer,
+        "forward",
+        lambda self, *args, **kw: (
+            forwards.append(torch.is_grad_enabled()) or original(self, *args, **kw)
+        ),
+    )
+    steps = []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    monkeypatch.setattr(optimizer, "step", lambda *a, **k: steps.append(1))
+    row = train._grpo_step(model, optimizer, batches, cfg, torch.device("cpu"))
+    if updates == 1:
+        assert forwards == [True] * micro and len(steps) == 1
+    else:
+        assert forwards == [False] * micro + [True] * micro and len(steps) == 2
+        assert row["engine_logp_max_abs_diff"] < 1e-4
+    assert row["updates"] == updates
+
+
+@pytest.mark.parametrize("updates", [1, 2])
+def test_grpo_step_fused_and_unfused_agree(updates):
+    """The GRPO step through the fused loss's torch backend and through full logits: the same
+    loss, metrics and updates (fp32), with KL, TIS and PPO-style updates on."""
+    import copy
+
+    import msgspec
+    import torch
+
+    from rlmtrain import train
+    from rlmtrain.config import Config, ModelConfig
+    from rlmtrain.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig())
+    cfg = Config()
+    algo = msgspec.structs.replace(cfg.algo, kl_beta=0.05, updates_per_batch=updates)
+    rows, models = {}, {}
+    for impl in ("torch", "unfused"):
+        run = copy.deepcopy(model)
+        impl_cfg = msgspec.structs.replace(
+            cfg, algo=algo, train=msgspec.structs.replace(cfg.train, loss_impl=impl)
+        )
+        batches = _hand_made_batches(run, impl_cfg)
+        # SGD: the weights move by lr * gradient, so they compare the gradients themselves
+        # (Adam's first step is the gradient's sign, which flips on gradients near 0).
+        optimizer = torch.optim.SGD(run.parameters(), lr=1.0)
+        reference = train._frozen_copy(model)
+        rows[impl] = train._grpo_step(
+            run, optimizer, batches, impl_cfg, torch.device("cpu"), reference
+        )
+        models[impl] = run
+    for key in ("loss", "kl_mean", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm"):
+        assert rows["unfused"][key] == pytest.approx(rows["torch"][key], abs=1e-5), key
+    for (name, a), b in zip(
+        models["torch"].named_parameters(), models["unfused"].parameters(), strict=True
+    ):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
