@@ -37,13 +37,14 @@ SHORT = (
 )
 
 
-def _train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+def _cli(command: str, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`rlmtrain <command>` on the short default in `run_dir`, as a user runs it."""
     return subprocess.run(
         [
             sys.executable,
             "-m",
             "rlmtrain.cli",
-            "train",
+            command,
             "--config",
             "configs/tiny-cpu.toml",
             f"--checkpoint.dir={run_dir}",
@@ -55,6 +56,10 @@ def _train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=600,
     )
+
+
+def _train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    return _cli("train", run_dir, *extra)
 
 
 def _curve(run_dir: Path) -> list[dict]:
@@ -132,22 +137,7 @@ def test_short_default_leaves_what_a_user_watches(two_runs):
 def test_eval_reproduces_the_final_evaluation(two_runs):
     run_dir = two_runs[0]
     final = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[-1])
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlmtrain.cli",
-            "eval",
-            "--config",
-            "configs/tiny-cpu.toml",
-            f"--checkpoint.dir={run_dir}",
-            *SHORT,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = _cli("eval", run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("reward_mean", "tasks", "spawn_rate", "children_per_root", "sample_digest"):
