@@ -49,6 +49,7 @@ __all__ = [
     "evaluate",
     "format_report",
     "pass_at_k",
+    "spawned",
     "summarize",
 ]
 
@@ -124,7 +125,7 @@ def summarize(
                 0.0 if r.answer is None else span_f1(r.answer, truth) for r in group_roots
             )
         if len(getattr(task, "paper_ids", ())) > 1:
-            spawned_multi.extend(_spawned(root) for root in group_roots)
+            spawned_multi.extend(spawned(root) for root in group_roots)
 
     descendants = Counter(t.root_id for t in children)
     everyone = [*roots, *children]
@@ -151,7 +152,7 @@ def summarize(
         "turns_mean": _mean([len(r.turns) for r in roots]),
         "turns_per_trajectory": _mean([len(t.turns) for t in everyone]),
         "children_per_root": _mean([descendants[r.id] for r in roots]),
-        "spawn_rate": _mean([float(_spawned(r)) for r in roots]),
+        "spawn_rate": _mean([float(spawned(r)) for r in roots]),
         "spawn_rate_multi": _mean([float(s) for s in spawned_multi]),
         "finish_reasons": {
             "roots": dict(sorted(Counter(r.finish_reason for r in roots).items())),
@@ -165,7 +166,7 @@ def summarize(
     }
 
 
-def _spawned(root: Trajectory) -> bool:
+def spawned(root: Trajectory) -> bool:
     """Whether the root called rlm_query[_batched]: it has children (the agent records each
     before spawning it), or a turn's code called one and every prompt was refused by a limit."""
     if root.children:

@@ -57,8 +57,8 @@ from rlmtrain.algo import (
 from rlmtrain.algo.unfused import unfused_grpo_loss, unfused_logprob, unfused_nll
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.devices import resolve_device
-from rlmtrain.envs.base import Env, Split, Task, TaskFormatError, get_env
-from rlmtrain.evaluation import evaluate
+from rlmtrain.envs.base import Env, Task, get_env
+from rlmtrain.evaluation import evaluate, spawned
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
 from rlmtrain.model import Transformer, build_model, named_hf_tensors, save_hf
 from rlmtrain.model.bpe import copy_tokenizer_files, train_bpe
@@ -99,9 +99,9 @@ async def _train(cfg: Config) -> int:
 
     # ---------------------------------------------------------------- data
     env = get_env(cfg.data.env, cfg)
-    sft_tasks = _split(env, cfg, "sft") if cfg.train.sft_steps else []
-    rl_tasks = _split(env, cfg, "rl") if cfg.train.steps else []
-    eval_tasks = _split(env, cfg, "eval") if cfg.eval.every else []
+    sft_tasks = env.split_tasks(cfg, "sft") if cfg.train.sft_steps else []
+    rl_tasks = env.split_tasks(cfg, "rl") if cfg.train.steps else []
+    eval_tasks = env.split_tasks(cfg, "eval") if cfg.eval.every else []
     if cfg.eval.tasks:
         eval_tasks = eval_tasks[: cfg.eval.tasks]
     log.info(
@@ -314,13 +314,14 @@ def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> 
     the step's sums stay on the device and are read once."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
+    head = _head(cfg)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, entropy sum, trained
     for mb in batches.micro_batches():
         if mb.num_tokens == 0:
             continue
         mb = mb.to(device)
         hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-        loss, entropy = _head(cfg).nll(
+        loss, entropy = head.nll(
             hidden, model.lm_head_weight, mb.targets, mb.weights, return_entropy=True
         )
         loss.backward()
@@ -361,6 +362,7 @@ def _grpo_step(
     old = [_logprobs(model, mb, cfg) if updates > 1 else None for mb in micro]
     ref = [_logprobs(reference, mb, cfg) if reference is not None else None for mb in micro]
     model.train()
+    head = _head(cfg)
     sums = torch.zeros(len(_GRPO_SUMS), dtype=torch.float64, device=device)
     mismatch = torch.zeros((), dtype=torch.float64, device=device)
     norms = []
@@ -369,7 +371,7 @@ def _grpo_step(
         for i in chunk.tolist():
             mb = micro[i]
             hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
-            loss, m, entropy = _head(cfg).grpo(
+            loss, m, entropy = head.grpo(
                 hidden,
                 model.lm_head_weight,
                 mb.targets,
@@ -491,24 +493,6 @@ def _refuse_unwired(cfg: Config) -> None:
         raise ConfigError("checkpoint.resume: resuming is not wired into train yet")
 
 
-def _split(env: Env, cfg: Config, split: Split) -> list[Task]:
-    """One of the run's task sets; a missing or unusable source is a ConfigError naming its key
-    (a malformed line stays a TaskFormatError naming file and line)."""
-    key = {"sft": "sft_path" if cfg.data.sft_path else "train_path", "rl": "train_path"}
-    try:
-        tasks = env.split_tasks(cfg, split)
-    except TaskFormatError:
-        raise
-    except (ValueError, FileNotFoundError) as exc:
-        message = str(exc)
-        if not message.startswith("data."):
-            message = f"data.{key.get(split, 'eval_path')}: {message}"
-        raise ConfigError(message) from None
-    if not tasks:
-        raise ConfigError(f"data: the {split} split has no tasks")
-    return tasks
-
-
 def _tokenizer(
     cfg: Config, env: Env, tasks: list[Task], run_dir: Path
 ) -> tuple[Config, Tokenizer, Path | None]:
@@ -619,7 +603,7 @@ def _rollout_row(scheduler: Scheduler, groups: list[RolloutGroup]) -> dict[str, 
         "engine_occupancy": m.engine_occupancy,
         "finish_reasons": m.finish_reasons,
         "children_per_root": m.children_per_root_mean,
-        "spawn_rate": _mean(bool(root.children) for root in roots),
+        "spawn_rate": _mean(spawned(root) for root in roots),
     }
 
 

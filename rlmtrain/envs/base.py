@@ -123,21 +123,30 @@ class Env:
         """Make a task file (and whatever it names) in `out_dir` from groups first_group ..
         first_group + groups - 1 and return its path; for environments with a synthetic data
         set (disjoint group ranges share nothing). The others need task files."""
-        raise ValueError(f"data.train_path: required for env '{self.name}' (it synthesises none)")
+        raise ValueError(f"required: env '{self.name}' synthesises no tasks")
 
     def split_tasks(self, config: Config, split: Split) -> list[Task]:
         """The tasks of one of the run's three disjoint sets: "sft" (the teacher's slice), "rl"
         (training) and "eval" (held out). Each comes from its `data.*_path`, or else is
         synthesised into `<checkpoint.dir>/data/<split>` from its own range of groups (made
         once, remade when the data settings change). SFT without `sft_path` but with a
-        `train_path` plays the training tasks."""
+        `train_path` plays the training tasks. A missing, unusable or empty source is a
+        ConfigError naming its key; a malformed line stays a TaskFormatError."""
+        from rlmtrain.config import ConfigError
+
         data = config.data
-        path = {"sft": data.sft_path or data.train_path, "rl": data.train_path}.get(
-            split, data.eval_path
-        )
-        if not path:
-            path = self._synthesized(config, split)
-        return self.load_tasks(path)
+        key = {"sft": "sft_path" if data.sft_path else "train_path", "rl": "train_path"}
+        key = key.get(split, "eval_path")
+        try:
+            path = getattr(data, key) or self._synthesized(config, split)
+            tasks = self.load_tasks(path)
+        except TaskFormatError:
+            raise
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"data.{key}: {exc}") from None
+        if not tasks:
+            raise ConfigError(f"data.{key}: no {split} tasks in {path}")
+        return tasks
 
     def _synthesized(self, config: Config, split: Split) -> Path:
         data = config.data

@@ -59,6 +59,8 @@ __all__ = [
     "child_prompt",
     "compact_child_plan",
     "compact_root_plan",
+    "full_child_plan",
+    "full_root_plan",
     "parse_query",
     "reply",
     "root_plan",
@@ -201,13 +203,23 @@ def child_plan(prompt: str) -> list[str]:
         raise ValueError(
             f"evidence teacher: child prompt without a 'Query:' line: {prompt[:200]!r}"
         )
-    return _single_paper_turns(parse_query(match[1]), label=False)
+    return full_child_plan(match[1])
+
+
+def full_child_plan(query: str) -> list[str]:
+    """A child's code for `query`: the one-paper plan, passages unlabelled."""
+    return _single_paper_turns(parse_query(query), label=False)
 
 
 def root_plan(task: EvidenceTask) -> list[str]:
     """The root's code: the one-paper plan, or triage and one child per paper worth reading."""
-    rule = parse_query(task.query)
-    if len(task.paper_ids) == 1:
+    return full_root_plan(task.query, len(task.paper_ids))
+
+
+def full_root_plan(query: str, n_papers: int) -> list[str]:
+    """`root_plan` for a query over `n_papers` papers."""
+    rule = parse_query(query)
+    if n_papers == 1:
         return _single_paper_turns(rule, label=True)
     return [
         "titles = list_papers(context)\n"
@@ -218,7 +230,7 @@ def root_plan(task: EvidenceTask) -> list[str]:
         "picks = [paper_id for paper_id, paper in context.items()\n"
         "         if wanted in (paper['title'] + ' ' + paper['abstract']).lower()]\n"
         "print('worth reading:', picks)",
-        f"query = {task.query!r}\n"
+        f"query = {query!r}\n"
         f"prompts = [get_paper_abstract(context, paper_id) + '\\n\\n' + {CHILD_INSTRUCTION!r}\n"
         "           + '\\nQuery: ' + query for paper_id in picks]\n"
         "contexts = [{paper_id: context[paper_id]} for paper_id in picks]\n"
@@ -295,24 +307,14 @@ def reply(prompt_text: str, style: PromptStyle = "full") -> str:
         raise ValueError(f"evidence teacher: no query or turn in the prompt: {fresh[-300:]!r}")
     query_text = fresh[query + len("Query: ") :].split("\n", 1)[0].strip()
     papers = _PAPERS.search(fresh)
-    if style == "compact":
-        blocks = (
-            compact_root_plan(query_text, int(papers[1]))
-            if papers
-            else compact_child_plan(query_text)
-        )
-    else:
-        blocks = (
-            _full_root_plan(query_text, int(papers[1]))
-            if papers
-            else child_plan(f"Query: {query_text}")
-        )
+    root, child = (
+        (compact_root_plan, compact_child_plan)
+        if style == "compact"
+        else (full_root_plan, full_child_plan)
+    )
+    blocks = root(query_text, int(papers[1])) if papers else child(query_text)
     index = int(turn[1]) - 1
     return fenced_code(blocks[index]) if index < len(blocks) else ""
-
-
-def _full_root_plan(query: str, n_papers: int) -> list[str]:
-    return root_plan(EvidenceTask(id="", query=query, paper_ids=[""] * n_papers, evidence=[]))
 
 
 async def teach(

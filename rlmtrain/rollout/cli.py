@@ -24,7 +24,8 @@ __all__ = ["RolloutProgress", "cli", "load_tasks"]
 
 
 def load_tasks(config: Config, env: Any) -> list[Any]:
-    """The run's training tasks (`Env.split_tasks(config, "rl")`), bad ones a ConfigError."""
+    """The run's training tasks (`Env.split_tasks(config, "rl")`); a malformed line too is a
+    ConfigError here."""
     try:
         return env.split_tasks(config, "rl")
     except ValueError as exc:
