@@ -190,6 +190,14 @@ class AlgoConfig(_Section):
     truncate_long_samples: Annotated[
         bool, _doc("truncate a sample longer than the budget instead of failing")
     ] = False
+    shared_prefix_tokens: Annotated[
+        int,
+        _doc(
+            "samples sharing at least this many leading tokens (the system prompt) forward "
+            "them once per micro-batch; exact; 0 = off",
+            ge=0,
+        ),
+    ] = 64
     exploration_beta: Annotated[
         float, _doc("initial weight of the exploration bonus; 0 = off", ge=0)
     ] = 0.0

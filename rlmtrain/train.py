@@ -164,12 +164,7 @@ async def _train(cfg: Config) -> int:
             batches = _token_batches(samples, cfg.train.sft_step_tokens)
             for step in range(cfg.train.sft_steps):
                 step_began = time.perf_counter()
-                packed = pack(
-                    next(batches),
-                    cfg.algo.micro_batch_tokens,
-                    truncate=cfg.algo.truncate_long_samples,
-                )
-                row = _sft_step(model, optimizer, packed, cfg, device)
+                row = _sft_step(model, optimizer, _pack(next(batches), cfg), cfg, device)
                 row.update(phase="sft", step=step, seconds=time.perf_counter() - step_began)
                 runlog.step(row)
                 _maybe_save(save, cfg, "sft", step)
@@ -263,10 +258,7 @@ async def _rl(
         samples = build_samples(groups, advantages, cfg.algo, num_groups=max(1, len(advantages)))
         if samples:
             train_began = time.perf_counter()
-            packed = pack(
-                samples, cfg.algo.micro_batch_tokens, truncate=cfg.algo.truncate_long_samples
-            )
-            row.update(_grpo_step(model, optimizer, packed, cfg, device, reference))
+            row.update(_grpo_step(model, optimizer, _pack(samples, cfg), cfg, device, reference))
             row["train_s"] = time.perf_counter() - train_began
             sync_began = time.perf_counter()
             await engine.update_weights(named_hf_tensors(model))
@@ -309,6 +301,15 @@ async def _rl(
 # ==================================================================== train steps
 
 
+def _pack(samples: list[Sample], cfg: Config) -> PackedBatches:
+    return pack(
+        samples,
+        cfg.algo.micro_batch_tokens,
+        truncate=cfg.algo.truncate_long_samples,
+        shared_prefix_tokens=cfg.algo.shared_prefix_tokens,
+    )
+
+
 def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> dict[str, Any]:
     """One optimizer step of weighted NLL over every micro-batch (weights sum to the objective);
     the step's sums stay on the device and are read once."""
@@ -320,7 +321,7 @@ def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> 
         if mb.num_tokens == 0:
             continue
         mb = mb.to(device)
-        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+        hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.prefix_of)
         loss, entropy = head.nll(
             hidden, model.lm_head_weight, mb.targets, mb.weights, return_entropy=True
         )
@@ -333,6 +334,7 @@ def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> 
         "loss": loss_sum,
         "entropy": entropy_sum / max(1.0, trained),
         "tokens": batches.stats.tokens,
+        "shared_tokens": batches.stats.shared_tokens,
         "trained_tokens": int(trained),
         "grad_norm": grad_norm,
     }
@@ -370,7 +372,7 @@ def _grpo_step(
         optimizer.zero_grad(set_to_none=True)
         for i in chunk.tolist():
             mb = micro[i]
-            hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+            hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.prefix_of)
             loss, m, entropy = head.grpo(
                 hidden,
                 model.lm_head_weight,
@@ -410,14 +412,19 @@ def _grpo_step(
     row = dict(zip(_GRPO_SUMS, sums.tolist(), strict=True))
     if updates > 1:
         row["engine_logp_max_abs_diff"] = float(mismatch)
-    row.update(tokens=batches.stats.tokens, updates=updates, grad_norm=max(norms))
+    row.update(
+        tokens=batches.stats.tokens,
+        shared_tokens=batches.stats.shared_tokens,
+        updates=updates,
+        grad_norm=max(norms),
+    )
     return row
 
 
 @torch.no_grad()
 def _logprobs(model: Transformer, mb: MicroBatch, cfg: Config) -> torch.Tensor:
     model.eval()
-    hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens)
+    hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.prefix_of)
     return _head(cfg).logprob(
         hidden, model.lm_head_weight, mb.targets, temperature=cfg.rollout.temperature
     )

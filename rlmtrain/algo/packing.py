@@ -1,15 +1,13 @@
 """Samples -> packed micro-batches under a token budget, balanced over data-parallel ranks.
 
-Planning works on sample lengths only and is all numpy:
-
-1. First-fit-decreasing into bins of `budget` tokens. Samples longer than budget/2 each open a
-   bin (no two fit together), all at once. Shorter samples of equal length are placed as one
-   run: first fit puts such a run into the open bins in index order, each taking
-   floor(room / L), then into new bins; that is what item-by-item FFD does, in one vectorised
-   step per distinct length (at most budget/2 steps, not one per sample).
+0. Shared prefixes (prefixes.py): samples that begin with the same tokens, typically every turn
+   behind one system prompt, are grouped into segments that lay the prefix out once. The items
+   planned below are segments; with `shared_prefix_tokens = 0` each sample is its own.
+1. First-fit-decreasing into bins of `budget` tokens (first_fit.py).
 2. An even bin count: while the count is not a multiple of `world_size`, the bin holding the most
-   samples is split in two. Only when no bin has two samples left are empty micro-batches added
-   (counted), since an empty micro-batch still costs every rank a forward/backward round.
+   items is split in two. Only when no bin has two items left are empty micro-batches added
+   (counted), since an empty micro-batch still costs every rank a forward/backward round; before
+   that, `pack` splits the largest segment in two (its prefix then laid out twice).
 3. Balance: bins are dealt to ranks in rounds of `world_size`, largest cost first, each round's
    largest bin to the currently lightest rank (LPT with equal counts). A rank's j-th micro-batch
    comes from round j, so micro-batches at the same index cost about the same on every rank,
@@ -18,7 +16,8 @@ Planning works on sample lengths only and is all numpy:
 Cost of a sample of L tokens is a·L + b·L². Training FLOPs of a decoder are about 72·h²·L per
 layer for the matmuls and 6·h·L² for causal attention (forward + backward), a ratio a/b = 12·h.
 The defaults (a, b) = (24576, 1) are 12·h for h = 2048 (Qwen3-1.7B); for other widths pass
-cost_linear = 12·hidden_size (Qwen3-4B: 30720).
+cost_linear = 12·hidden_size (Qwen3-4B: 30720). A segment costs its prefix once plus each
+member's own tokens attending to the prefix (`prefixes.segment_cost`).
 
 Materialisation is lazy: `PackedBatches.micro_batches(rank)` collates one micro-batch at a time
 into packed tensors, so planning 100k samples never holds their tokens twice. Every per-token
@@ -33,6 +32,8 @@ import msgspec
 import numpy as np
 import torch
 
+from rlmtrain.algo.first_fit import first_fit_decreasing
+from rlmtrain.algo.prefixes import Segment, prefix_segments, segment_cost, segment_tokens
 from rlmtrain.algo.samples import IGNORE_INDEX, Sample
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "PackedBatches",
     "PackingPlan",
     "PackingStats",
+    "Segment",
     "collate",
     "first_fit_decreasing",
     "pack",
@@ -54,16 +56,21 @@ DEFAULT_COST_QUADRATIC = 1.0
 
 
 class MicroBatch(msgspec.Struct, kw_only=True):
-    """B samples packed into T tokens, no padding. Per-token tensors are aligned to targets."""
+    """B samples packed into T tokens in R rows, no padding. A plain sample is one row; a
+    segment's shared prefix is one row and each member's remainder a row continuing it
+    (`prefix_of`). Per-token tensors are aligned to targets."""
 
     input_ids: torch.Tensor
     """int64 [T]"""
     position_ids: torch.Tensor
-    """int64 [T], restarting at 0 for each sample."""
+    """int64 [T]: each token's position in its own sample (a continuation starts at the
+    length of its prefix)."""
     cu_seqlens: torch.Tensor
-    """int32 [B + 1], sample b spans input_ids[cu_seqlens[b] : cu_seqlens[b + 1]]."""
+    """int32 [R + 1], row r spans input_ids[cu_seqlens[r] : cu_seqlens[r + 1]]."""
+    prefix_of: torch.Tensor
+    """int32 [R]: the prefix row that row r continues, -1 where it continues none."""
     max_seqlen: int
-    """Longest sample (flash-attn varlen wants it); 0 for an empty micro-batch."""
+    """Longest row (flash-attn varlen wants it); 0 for an empty micro-batch."""
     targets: torch.Tensor
     """int64 [T]: input_ids[i + 1] at trained positions, IGNORE_INDEX (-100) elsewhere."""
     weights: torch.Tensor
@@ -74,10 +81,16 @@ class MicroBatch(msgspec.Struct, kw_only=True):
     """float32 [T]: the engine's log-prob of the target, 0 where not trained."""
     sample_indices: np.ndarray
     """int64 [B]: which samples of the packed list, in order."""
+    sample_rows: np.ndarray
+    """int64 [B]: the row holding each sample's own (last) tokens."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return bool((self.prefix_of >= 0).any())
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on `device` (cu_seqlens stays int32)."""
@@ -87,13 +100,19 @@ class MicroBatch(msgspec.Struct, kw_only=True):
                 "input_ids",
                 "position_ids",
                 "cu_seqlens",
+                "prefix_of",
                 "targets",
                 "weights",
                 "advantages",
                 "sampler_logp",
             )
         }
-        return MicroBatch(max_seqlen=self.max_seqlen, sample_indices=self.sample_indices, **tensors)
+        return MicroBatch(
+            max_seqlen=self.max_seqlen,
+            sample_indices=self.sample_indices,
+            sample_rows=self.sample_rows,
+            **tensors,
+        )
 
 
 class PackingStats(msgspec.Struct, kw_only=True):
@@ -116,12 +135,18 @@ class PackingStats(msgspec.Struct, kw_only=True):
     truncated_samples: int = 0
     dropped_samples: int = 0
     """Samples that truncation left with no trained token."""
+    shared_tokens: int = 0
+    """Prefix tokens not laid out again because segments share them (prefixes.py)."""
 
 
 class PackingPlan(msgspec.Struct, kw_only=True):
     ranks: list[list[np.ndarray]]
-    """ranks[r][j]: int64 indices of the samples in rank r's j-th micro-batch."""
+    """ranks[r][j]: int64 indices of the items in rank r's j-th micro-batch (samples, once
+    `pack` has mapped its segments back)."""
     stats: PackingStats
+    segments: list[list[list[Segment]]] | None = None
+    """segments[r][j]: how rank r's j-th micro-batch lays its samples out; None: one plain
+    row per sample."""
 
 
 class PackedBatches(msgspec.Struct, kw_only=True):
@@ -137,57 +162,9 @@ class PackedBatches(msgspec.Struct, kw_only=True):
         """Collate rank `rank`'s micro-batches one at a time, in plan order."""
         if not 0 <= rank < len(self.plan.ranks):
             raise ValueError(f"rank {rank} out of range for world_size {len(self.plan.ranks)}")
-        for indices in self.plan.ranks[rank]:
-            yield collate(self.samples, indices)
-
-
-def first_fit_decreasing(lengths: np.ndarray, budget: int) -> np.ndarray:
-    """Bin of each item (int64 [n], bins numbered in opening order) under FFD with capacity
-    `budget`. Every length must be in 1..budget."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    n = lengths.shape[0]
-    if n == 0:
-        return np.empty(0, dtype=np.int64)
-    if lengths.min() < 1 or lengths.max() > budget:
-        bad = int(np.flatnonzero((lengths < 1) | (lengths > budget))[0])
-        raise ValueError(f"item {bad} has length {int(lengths[bad])}, outside 1..{budget}")
-    order = np.argsort(-lengths, kind="stable")
-    sorted_lengths = lengths[order]
-    room = np.empty(n, dtype=np.int64)
-    sorted_bins = np.empty(n, dtype=np.int64)
-    # Items over half the budget never fit beside an earlier (longer) one: one new bin each.
-    n_bins = int(np.count_nonzero(2 * sorted_lengths > budget))
-    sorted_bins[:n_bins] = np.arange(n_bins)
-    room[:n_bins] = budget - sorted_lengths[:n_bins]
-    rest_lengths = sorted_lengths[n_bins:]
-    run_bounds = np.r_[n_bins + np.flatnonzero(np.diff(rest_lengths, prepend=-1)), n].tolist()
-    for start, end in zip(run_bounds[:-1], run_bounds[1:], strict=True):
-        length = int(sorted_lengths[start])
-        count = end - start
-        open_bins = np.flatnonzero(room[:n_bins] >= length)
-        fits = room[open_bins] // length
-        filled = np.cumsum(fits)
-        last = int(np.searchsorted(filled, count))
-        if last < open_bins.shape[0]:
-            bins, takes = open_bins[: last + 1], fits[: last + 1].copy()
-            takes[-1] -= filled[last] - count
-        else:
-            bins, takes = open_bins, fits
-        room[bins] -= takes * length
-        rest = count - int(takes.sum())
-        if rest:
-            per_bin = budget // length
-            new = -(-rest // per_bin)
-            new_takes = np.full(new, per_bin, dtype=np.int64)
-            new_takes[-1] = rest - per_bin * (new - 1)
-            new_bins = np.arange(n_bins, n_bins + new)
-            room[n_bins : n_bins + new] = budget - new_takes * length
-            n_bins += new
-            bins, takes = np.r_[bins, new_bins], np.r_[takes, new_takes]
-        sorted_bins[start:end] = np.repeat(bins, takes)
-    bin_of = np.empty(n, dtype=np.int64)
-    bin_of[order] = sorted_bins
-    return bin_of
+        layouts = self.plan.segments[rank] if self.plan.segments is not None else None
+        for j, indices in enumerate(self.plan.ranks[rank]):
+            yield collate(self.samples, indices, None if layouts is None else layouts[j])
 
 
 def plan_packing(
@@ -197,8 +174,10 @@ def plan_packing(
     world_size: int = 1,
     cost_linear: float = DEFAULT_COST_LINEAR,
     cost_quadratic: float = DEFAULT_COST_QUADRATIC,
+    costs: np.ndarray | None = None,
 ) -> PackingPlan:
-    """Micro-batches of sample indices for each rank; see the module note for the method."""
+    """Micro-batches of item indices for each rank; see the module note for the method. Items
+    cost a·L + b·L² unless `costs` gives each one's."""
     if budget < 1:
         raise ValueError(f"budget must be >= 1 token, got {budget}")
     if world_size < 1:
@@ -208,8 +187,9 @@ def plan_packing(
     bins, splits = _split_to_multiple(bins, lengths, world_size)
     empty = -len(bins) % world_size
     bins += [np.empty(0, dtype=np.int64)] * empty
-    as_float = lengths.astype(np.float64)
-    costs = cost_linear * as_float + cost_quadratic * as_float**2
+    if costs is None:
+        as_float = lengths.astype(np.float64)
+        costs = cost_linear * as_float + cost_quadratic * as_float**2
     sizes = np.fromiter((b.shape[0] for b in bins), dtype=np.int64, count=len(bins))
     members = np.concatenate(bins) if bins else np.empty(0, dtype=np.int64)
     owner = np.repeat(np.arange(len(bins)), sizes)
@@ -237,12 +217,14 @@ def pack(
     *,
     world_size: int = 1,
     truncate: bool = False,
+    shared_prefix_tokens: int = 0,
     cost_linear: float = DEFAULT_COST_LINEAR,
     cost_quadratic: float = DEFAULT_COST_QUADRATIC,
 ) -> PackedBatches:
     """Plan micro-batches for `samples`. A sample longer than `budget` raises ValueError naming
     it, or with `truncate` is cut to `budget` tokens (counted; dropped if nothing is left to
-    train)."""
+    train). Samples sharing at least `shared_prefix_tokens` leading tokens lay them out once
+    (0: never)."""
     kept = list(samples)
     lengths = np.fromiter((s.input_ids.shape[0] for s in kept), dtype=np.int64, count=len(kept))
     too_long = np.flatnonzero(lengths > budget)
@@ -254,21 +236,43 @@ def pack(
         )
     for i in too_long.tolist():
         kept[i] = truncate_sample(kept[i], budget)
-    emptied = [i for i in too_long.tolist() if kept[i] is None]
-    if emptied:
-        kept = [s for s in kept if s is not None]
-        lengths = np.delete(lengths, emptied)
-    np.minimum(lengths, budget, out=lengths)  # a truncated sample is now exactly budget long
-    plan = plan_packing(
-        lengths,
-        budget,
-        world_size=world_size,
-        cost_linear=cost_linear,
-        cost_quadratic=cost_quadratic,
-    )
+    kept = [s for s in kept if s is not None]
+    dropped = len(samples) - len(kept)
+    segments = prefix_segments(kept, budget, shared_prefix_tokens)
+    while True:
+        sizes = np.array([segment_tokens(kept, g) for g in segments], dtype=np.int64)
+        costs = np.array(
+            [segment_cost(kept, g, cost_linear, cost_quadratic) for g in segments], np.float64
+        )
+        plan = plan_packing(sizes, budget, world_size=world_size, costs=costs)
+        splittable = [j for j, g in enumerate(segments) if g.members.shape[0] > 1]
+        if not (plan.stats.empty_micro_batches and splittable):
+            break
+        largest = max(splittable, key=lambda j: sizes[j])
+        segments[largest : largest + 1] = _halves(segments[largest])
+    layouts = [[[segments[j] for j in items.tolist()] for items in rank] for rank in plan.ranks]
+    plan.ranks = [[_members(layout) for layout in rank_layouts] for rank_layouts in layouts]
+    plan.segments = layouts
+    plan.stats.samples = len(kept)
     plan.stats.truncated_samples = int(too_long.size)
-    plan.stats.dropped_samples = len(emptied)
+    plan.stats.dropped_samples = dropped
+    plan.stats.shared_tokens = int(sum(s.length for s in kept)) - int(sizes.sum())
     return PackedBatches(samples=kept, plan=plan)
+
+
+def _halves(segment: Segment) -> list[Segment]:
+    members = segment.members
+    half = members.shape[0] // 2
+    return [
+        Segment(segment.prefix_len if part.shape[0] > 1 else 0, part)
+        for part in (members[:half], members[half:])
+    ]
+
+
+def _members(layout: list[Segment]) -> np.ndarray:
+    if not layout:
+        return np.empty(0, dtype=np.int64)
+    return np.concatenate([g.members for g in layout]).astype(np.int64, copy=False)
 
 
 def truncate_sample(sample: Sample, max_len: int) -> Sample | None:
@@ -289,27 +293,55 @@ def truncate_sample(sample: Sample, max_len: int) -> Sample | None:
     )
 
 
-def collate(samples: Sequence[Sample], indices: Sequence[int] | None = None) -> MicroBatch:
-    """Pack `samples[indices]` (all of them when indices is None) into one MicroBatch."""
+def collate(
+    samples: Sequence[Sample],
+    indices: Sequence[int] | None = None,
+    segments: Sequence[Segment] | None = None,
+) -> MicroBatch:
+    """Pack `samples[indices]` (all of them when indices is None) into one MicroBatch, laid out
+    as `segments` (whose members must be exactly `indices`, in order) or one plain row each."""
     if indices is None:
         indices = np.arange(len(samples), dtype=np.int64)
     indices = np.asarray(indices, dtype=np.int64)
-    chosen = [samples[i] for i in indices.tolist()]
-    count = len(chosen)
-    lengths = np.fromiter((s.length for s in chosen), dtype=np.int64, count=count)
-    prompt_lens = np.fromiter((s.prompt_len for s in chosen), dtype=np.int64, count=count)
+    if segments is None:
+        segments = [Segment(0, indices[i : i + 1]) for i in range(indices.shape[0])]
+    elif not np.array_equal(_members(list(segments)), indices):
+        raise ValueError("collate: the segments' members are not the micro-batch's samples")
+    rows: list[np.ndarray] = []  # token ids of each row
+    starts: list[int] = []  # position of each row's first token in its sample
+    prefix_of: list[int] = []
+    sample_rows: list[int] = []
+    trained_in_row: list[np.ndarray] = []  # per sample: in-row offsets of trained positions
+    for segment in segments:
+        shared = segment.prefix_len
+        parent = -1
+        if shared:
+            parent = len(rows)
+            rows.append(samples[int(segment.members[0])].input_ids[:shared])
+            starts.append(0)
+            prefix_of.append(-1)
+        for index in segment.members.tolist():
+            sample = samples[index]
+            if shared and not np.array_equal(sample.input_ids[:shared], rows[parent]):
+                raise ValueError(f"{sample.label}: does not begin with its segment's prefix")
+            sample_rows.append(len(rows))
+            rows.append(sample.input_ids[shared:])
+            starts.append(shared)
+            prefix_of.append(parent)
+            # Completion token j is predicted at sample position P - 1 + j (samples.py).
+            first = sample.prompt_len - 1 - shared
+            trained_in_row.append(np.arange(first, first + sample.completion_len))
+    lengths = np.fromiter((r.shape[0] for r in rows), dtype=np.int64, count=len(rows))
     ends = np.cumsum(lengths)
-    starts = ends - lengths
-    total = int(ends[-1]) if count else 0
-    input_ids = _concat([s.input_ids for s in chosen], np.int64)
-    position_ids = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-
-    # Completion token j of sample b is predicted at position starts[b] + prompt_lens[b] - 1 + j.
-    completion_lens = lengths - prompt_lens
-    completion_starts = np.cumsum(completion_lens) - completion_lens
-    trained = np.repeat(starts + prompt_lens - 1 - completion_starts, completion_lens)
-    trained += np.arange(trained.shape[0], dtype=np.int64)
-
+    row_offsets = ends - lengths
+    total = int(ends[-1]) if rows else 0
+    input_ids = _concat(rows, np.int64)
+    position_ids = np.arange(total, dtype=np.int64) - np.repeat(
+        row_offsets - np.asarray(starts, dtype=np.int64), lengths
+    )
+    chosen = [samples[i] for i in indices.tolist()]
+    placed = zip(sample_rows, trained_in_row, strict=True)
+    trained = _concat([row_offsets[row] + offsets for row, offsets in placed], np.int64)
     targets = np.full(total, IGNORE_INDEX, dtype=np.int64)
     targets[trained] = input_ids[trained + 1]
     per_token = {}
@@ -317,15 +349,17 @@ def collate(samples: Sequence[Sample], indices: Sequence[int] | None = None) -> 
         values = np.zeros(total, dtype=np.float32)
         values[trained] = _concat([getattr(s, name) for s in chosen], np.float32)
         per_token[name] = torch.from_numpy(values)
-    cu_seqlens = np.zeros(count + 1, dtype=np.int32)
+    cu_seqlens = np.zeros(len(rows) + 1, dtype=np.int32)
     cu_seqlens[1:] = ends
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         position_ids=torch.from_numpy(position_ids),
         cu_seqlens=torch.from_numpy(cu_seqlens),
-        max_seqlen=int(lengths.max()) if count else 0,
+        prefix_of=torch.tensor(prefix_of, dtype=torch.int32),
+        max_seqlen=int(lengths.max()) if rows else 0,
         targets=torch.from_numpy(targets),
         sample_indices=indices,
+        sample_rows=np.asarray(sample_rows, dtype=np.int64),
         **per_token,
     )
 

@@ -5,8 +5,9 @@ MLP; Qwen3 adds an RMSNorm over each head of q and k before RoPE (`qk_norm`), Ll
 RoPE frequencies ("llama3" rope_scaling). Submodule names are those of Hugging Face's
 `model.*` tree, so `hf.py` maps names by prefix, never by table.
 
-The forward takes packed sequences (`input_ids[T]`, `position_ids[T]`, `cu_seqlens[B+1]`) and
-returns the final-normed hidden states `[T, H]`; the LM head is left to the caller, because the
+The forward takes packed rows (`input_ids[T]`, `position_ids[T]`, `cu_seqlens[R+1]`, and
+`prefix_of[R]` where rows continue a shared prefix row) and returns the final-normed hidden
+states `[T, H]`; the LM head is left to the caller, because the
 fused log-prob kernels multiply by `lm_head_weight` chunk by chunk and never hold `[T, V]`.
 Layers reach attention only through an `attend(layer, q, k, v)` callable, so the training forward
 (`attention.PackedAttention`) and the KV-cache paths (`kv_cache.py`) run the same weights and the
@@ -172,8 +173,15 @@ class Transformer(nn.Module):
                 values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
                 param.copy_(values)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
-        """input_ids, position_ids: `[T]` int; cu_seqlens: `[B+1]` int, 0 .. T. Returns `[T, H]`."""
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        cu_seqlens: Tensor,
+        prefix_of: Tensor | None = None,
+    ) -> Tensor:
+        """input_ids, position_ids: `[T]` int; cu_seqlens: `[R+1]` int, 0 .. T; prefix_of: `[R]`
+        int, the row each row continues or -1 (`attention.py`). Returns `[T, H]`."""
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(
                 f"expected packed 1-D input_ids and position_ids of one shape, got "
@@ -184,6 +192,7 @@ class Transformer(nn.Module):
             cu_seqlens.to(input_ids.device),
             input_ids.numel(),
             self.embed_tokens.weight.dtype,
+            prefix_of,
         )
         return self.hidden_states(input_ids, position_ids, lambda _layer, q, k, v: attend(q, k, v))
 
