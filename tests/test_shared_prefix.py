@@ -85,7 +85,8 @@ def test_packed_layout_reconstructs_every_sample():
     for batch in packed.micro_batches():
         assert batch.shares_prefixes and batch.num_tokens <= 256
         cu, parents = batch.cu_seqlens.tolist(), batch.prefix_of.tolist()
-        for index, row in zip(batch.sample_indices.tolist(), batch.sample_rows.tolist()):
+        placed = zip(batch.sample_indices.tolist(), batch.sample_rows.tolist(), strict=True)
+        for index, row in placed:
             seen.append(index)
             spans = [slice(cu[row], cu[row + 1])]
             if parents[row] >= 0:
@@ -112,7 +113,7 @@ def _hidden_per_sample(model, batch) -> dict[int, torch.Tensor]:
     hidden = model(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.prefix_of)
     cu, parents = batch.cu_seqlens.tolist(), batch.prefix_of.tolist()
     out = {}
-    for index, row in zip(batch.sample_indices.tolist(), batch.sample_rows.tolist()):
+    for index, row in zip(batch.sample_indices.tolist(), batch.sample_rows.tolist(), strict=True):
         parts = [hidden[cu[row] : cu[row + 1]]]
         if parents[row] >= 0:
             parts.insert(0, hidden[cu[parents[row]] : cu[parents[row] + 1]])
