@@ -8,12 +8,11 @@ import pytest
 from test_booknav import proof_verdicts
 from test_judge import JudgeServer
 
+from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.booknav import BookNavEnv, synthetic_problems, write_synthetic
 from rlmtrain.envs.booknav_teacher import plan, prove, teach
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rewards.chat_client import JudgeConfig
-from rlmtrain.rlm.agent import AgentLimits
-from rlmtrain.rlm.repl import ReplLimits
 
 
 def test_teacher_solves_the_synthetic_problems(tmp_path):
@@ -27,8 +26,7 @@ def test_teacher_solves_the_synthetic_problems(tmp_path):
                 env,
                 tasks,
                 ByteTokenizer(),
-                limits=AgentLimits(max_turns=4, max_prompt_tokens=16384),
-                repl_limits=ReplLimits(exec_timeout_s=10.0),
+                RolloutConfig(max_turns=4, max_prompt_tokens=16384, repl_timeout_s=10.0),
             )
         )
         for task, group in zip(tasks, groups, strict=True):

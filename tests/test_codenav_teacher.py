@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 from test_codenav import package  # noqa: F401  (fixture)
 
+from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.codenav import CodeNavEnv, generate_tasks
 from rlmtrain.envs.codenav_teacher import parse_question, teach
 from rlmtrain.model.tokenizer import ByteTokenizer
-from rlmtrain.rlm.agent import AgentLimits
 from rlmtrain.rlm.records import RolloutGroup
-from rlmtrain.rlm.repl import ReplLimits
 
 
 def solve(env, tasks) -> list[RolloutGroup]:
@@ -22,8 +21,7 @@ def solve(env, tasks) -> list[RolloutGroup]:
             env,
             tasks,
             ByteTokenizer(),
-            limits=AgentLimits(max_turns=4, max_prompt_tokens=32768),
-            repl_limits=ReplLimits(exec_timeout_s=10.0),
+            RolloutConfig(max_turns=4, max_prompt_tokens=32768, repl_timeout_s=10.0),
         )
     )
 

@@ -1,11 +1,9 @@
 """A scripted BookNavigator teacher: the code an expert would type, one block per turn.
 
-For SFT cold-start data (SPEC §5) a teacher must leave the same records a policy leaves, so it
-plays through the real trajectory loop and REPL: `rlm.scripted.ScriptedPolicy` is a `GenerateFn`
-that answers turn t with the t-th block of a plan, encoded by the student's tokenizer (its
-log-probs are 0: a deterministic policy). The plan never reads the REPL's output itself; what
-depends on the output is in the code (REPL variables persist between turns), which is also the
-habit the student should learn.
+Like every teacher it plays through the real scheduler (`teacher.py`), answering turn t with the
+t-th block of its plan. The plan never reads the REPL's output itself; what depends on the
+output is in the code (REPL variables persist between turns), which is also the habit the
+student should learn.
 
 The expert reads the problem, not the hidden reference: a rule per problem family names the
 notion to look up in the index and writes the proof from the numbers in the statement, citing
@@ -18,20 +16,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
 
+from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.base import Env, Task
-from rlmtrain.rlm.agent import (
-    AgentLimits,
-    ChatTokenizer,
-    ChildCall,
-    root_trajectory,
-)
+from rlmtrain.envs.teacher import plan_reply, play
+from rlmtrain.rlm.agent import ChatTokenizer
 from rlmtrain.rlm.records import RolloutGroup
-from rlmtrain.rlm.repl import ReplLimits, Zygote
-from rlmtrain.rlm.scripted import play_plan
 
-__all__ = ["plan", "prove", "run_scripted", "teach"]
+__all__ = ["plan", "prove", "teach"]
+
+WHO = "booknav teacher"
 
 
 def _difference_of_powers(m: re.Match[str]) -> str:
@@ -133,55 +127,8 @@ def plan(problem: str) -> list[str]:
     ]
 
 
-async def _no_children(calls: list[ChildCall]) -> list[str]:
-    # The scripted plans never call rlm_query; should one, it gets an answer, not a hang.
-    return ["[rlm_query is not available to a scripted teacher]" for _ in calls]
-
-
-async def run_scripted(
-    env: Env,
-    tasks: Sequence[Task],
-    plan_of: Callable[[str], list[str]],
-    tokenizer: ChatTokenizer,
-    *,
-    limits: AgentLimits | None = None,
-    repl_limits: ReplLimits | None = None,
-) -> list[RolloutGroup]:
-    """One root trajectory per task, played by `plan_of(task.query)` through the real REPL.
-
-    Tasks whose contexts are the same object (one book for many problems) share a zygote.
-    """
-    limits = limits or AgentLimits(max_turns=4)
-    by_context: dict[int, tuple[Any, list[Task]]] = {}
-    for task in tasks:
-        context = env.context(task)
-        by_context.setdefault(id(context), (context, []))[1].append(task)
-    groups: dict[str, RolloutGroup] = {}
-    for context, members in by_context.values():
-        zygote = await Zygote.start(
-            context=context, tool_modules=env.tool_modules(), limits=repl_limits
-        )
-        try:
-            for task in members:
-                root = root_trajectory(task.id, 0, task.query)
-                await play_plan(
-                    plan_of(task.query),
-                    root,
-                    env=env,
-                    tokenizer=tokenizer,
-                    limits=limits,
-                    zygote=zygote,
-                    task=task,
-                    spawn=_no_children,
-                )
-                groups[task.id] = RolloutGroup(task=task, trajectories=[root])
-        finally:
-            await zygote.close()
-    return [groups[task.id] for task in tasks]
-
-
 async def teach(
-    env: Env, tasks: Sequence[Task], tokenizer: ChatTokenizer, **kwargs: Any
+    env: Env, tasks: Sequence[Task], tokenizer: ChatTokenizer, config: RolloutConfig
 ) -> list[RolloutGroup]:
-    """Teacher trees for BookNavigator tasks (`run_scripted` with this module's `plan`)."""
-    return await run_scripted(env, tasks, plan, tokenizer, **kwargs)
+    """Teacher trees for BookNavigator tasks, one root each, under `config`'s limits."""
+    return await play(env, tasks, tokenizer, config, plan_reply(plan, WHO), WHO)

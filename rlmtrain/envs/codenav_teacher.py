@@ -2,19 +2,19 @@
 
 The expert parses the question ("where does `A` (defined in P) call `B`?"), reads A's definition,
 lists the calls of A's body, keeps those whose callee is written `B`, and answers with the
-position: three turns through the real trajectory loop (`rlm.scripted.ScriptedPolicy` plays
-them). `list_calls` is the same AST index the gold answers come from, so the plan is exact
-wherever the task generator would ask; a question in any other form raises ValueError.
+position: three turns, played through the real scheduler like every teacher (`teacher.py`).
+`list_calls` is the same AST index the gold answers come from, so the plan is exact wherever the
+task generator would ask; a question in any other form raises ValueError.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
+from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.base import Env, Task
-from rlmtrain.envs.booknav_teacher import run_scripted
+from rlmtrain.envs.teacher import plan_reply, play
 from rlmtrain.rlm.agent import ChatTokenizer
 from rlmtrain.rlm.records import RolloutGroup
 
@@ -48,7 +48,8 @@ def plan(query: str) -> list[str]:
 
 
 async def teach(
-    env: Env, tasks: Sequence[Task], tokenizer: ChatTokenizer, **kwargs: Any
+    env: Env, tasks: Sequence[Task], tokenizer: ChatTokenizer, config: RolloutConfig
 ) -> list[RolloutGroup]:
-    """Teacher trees for code-navigation tasks (`run_scripted` with this module's `plan`)."""
-    return await run_scripted(env, tasks, plan, tokenizer, **kwargs)
+    """Teacher trees for code-navigation tasks, one root each, under `config`'s limits."""
+    who = "codenav teacher"
+    return await play(env, tasks, tokenizer, config, plan_reply(plan, who), who)

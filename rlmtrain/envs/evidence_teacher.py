@@ -1,11 +1,9 @@
 """A scripted evidence-selection teacher: the code an expert would write, root and children.
 
-Cold-start SFT data (SPEC.md §5) must be the records a policy leaves, so the teacher plays through
-exactly the path RL rollouts take: the `Scheduler`, its REPLs and limits, with a scripted engine
-(`SimEngine` over `reply`) in place of the model. `reply` reads the prompt as a policy would (the
-query and turn of its last message) and answers with that turn's block of the plan; the plan
-never reads REPL output itself: what depends on the papers is computed by the code (REPL
-variables persist between turns), the habit the student should learn.
+Like every teacher it plays through the real scheduler (`teacher.py`): `reply` reads the prompt
+as a policy would and answers with that turn's block of the plan. The plan never reads REPL
+output itself: what depends on the papers is computed by the code (REPL variables persist
+between turns), the habit the student should learn.
 
 The expert reads the query, not the gold spans. A rule per query family gives the keyword
 variants to search, how to tell from title and abstract whether a paper is worth reading, and
@@ -35,19 +33,18 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.evidence import EvidenceEnv, EvidenceTask
+from rlmtrain.envs.teacher import fenced_code, last_user_message, play, query_and_turn
 from rlmtrain.rlm.prompts import PromptStyle
 from rlmtrain.rlm.records import RolloutGroup
-from rlmtrain.rlm.scripted import fenced_code
 
 if TYPE_CHECKING:
-    from rlmtrain.config import RolloutConfig
     from rlmtrain.model.tokenizer import Tokenizer
 
 log = logging.getLogger("rlmtrain")
@@ -290,30 +287,24 @@ def compact_root_plan(query: str, n_papers: int) -> list[str]:
 # Playing the plans: a scripted engine behind the real scheduler
 # ---------------------------------------------------------------------------------------------
 
-_TURN = re.compile(r"[Tt]urn (\d+) of \d+")
 _PAPERS = re.compile(r"`context` holds (\d+) papers?")
 
 
 def reply(prompt_text: str, style: PromptStyle = "full") -> str:
     """The teacher's completion for a templated prompt: the plan block of this turn, fenced.
 
-    The plan is read off the prompt's last user message alone, as a policy would: the query
-    (its last "Query: " line), the turn number, and whether it is a root ("`context` holds N
-    papers") or a child. Past the end of its plan the teacher says nothing (an empty reply).
+    The plan is read off the prompt's last user message alone, as a policy would: the query,
+    the turn number, and whether it is a root ("`context` holds N papers") or a child. Past the
+    end of its plan the teacher says nothing (an empty reply).
     """
-    fresh = prompt_text.rsplit("<|im_start|>user", 1)[-1]
-    turn, query = _TURN.search(fresh), fresh.rfind("Query: ")
-    if turn is None or query < 0:
-        raise ValueError(f"evidence teacher: no query or turn in the prompt: {fresh[-300:]!r}")
-    query_text = fresh[query + len("Query: ") :].split("\n", 1)[0].strip()
-    papers = _PAPERS.search(fresh)
+    query, index = query_and_turn(prompt_text, "evidence teacher")
+    papers = _PAPERS.search(last_user_message(prompt_text))
     root, child = (
         (compact_root_plan, compact_child_plan)
         if style == "compact"
         else (full_root_plan, full_child_plan)
     )
-    blocks = root(query_text, int(papers[1])) if papers else child(query_text)
-    index = int(turn[1]) - 1
+    blocks = root(query, int(papers[1])) if papers else child(query)
     return fenced_code(blocks[index]) if index < len(blocks) else ""
 
 
@@ -324,16 +315,15 @@ async def teach(
     config: RolloutConfig | None = None,
 ) -> list[RolloutGroup]:
     """One teacher tree per task (root + children), in task order, played by the `Scheduler`
-    on a scripted engine: the same admission, limits, REPLs and records as an RL rollout.
+    on a scripted engine (`teacher.play`): the same admission, limits, REPLs and records as an
+    RL rollout.
 
     `config` must allow children with a REPL (max_depth >= 1) and the plans' turns (5 in the
     full style, 2 in the compact one) and its turns in max_new_tokens; default: the full style,
-    5 turns, 32k-token prompts, 2k-token turns.
+    5 turns, 32k-token prompts, 2k-token turns. Unfinished trajectories are most often
+    "context": the byte tokenizer makes prompts ~4x longer than a BPE one, and the full system
+    prompt plus one list_papers output needs about 10k byte tokens.
     """
-    from rlmtrain.config import RolloutConfig
-    from rlmtrain.rollout.engines.sim import SimEngine, text_script
-    from rlmtrain.rollout.scheduler import Scheduler
-
     config = config or RolloutConfig(
         max_turns=5, max_depth=1, max_prompt_tokens=32768, max_new_tokens=2048
     )
@@ -344,28 +334,6 @@ async def teach(
             f"max_depth={config.max_depth}, max_turns={config.max_turns}"
         )
     style = config.prompt_style
-    engine = SimEngine(
-        script=text_script(tokenizer, lambda text: reply(text, style)),
-        eos_id=tokenizer.eos_id,
-        max_batch_size=config.max_batch_size,
-        decode=tokenizer.decode,
+    return await play(
+        env, tasks, tokenizer, config, lambda text: reply(text, style), "evidence teacher"
     )
-    scheduler = Scheduler(engine, tokenizer, config)
-    try:
-        groups = await scheduler.rollout(list(tasks), env, 1)
-    finally:
-        await engine.close()
-    unfinished = Counter(
-        t.finish_reason for g in groups for t in g.trajectories if t.finish_reason != "final"
-    )
-    if unfinished:
-        # Most often "context": the byte tokenizer makes prompts ~4x longer than a BPE one, and
-        # the full system prompt plus one list_papers output needs about 10k byte tokens.
-        log.warning(
-            "evidence teacher: %d of %d trajectories did not finish (%s); max_prompt_tokens=%d",
-            sum(unfinished.values()),
-            sum(len(g.trajectories) for g in groups),
-            ", ".join(f"{reason}: {n}" for reason, n in unfinished.most_common()),
-            config.max_prompt_tokens,
-        )
-    return groups

@@ -7,7 +7,6 @@
     agent.py       run_trajectory / run_plain_call, AgentLimits, ChildCall, child_answer
     repl.py        Zygote / Session / ReplLimits: forked, jailed workers (worker.py, builtins.py,
                    protocol.py run partly inside them; control.py reads the zygote's socket)
-    scripted.py    ScriptedPolicy: a GenerateFn that plays a fixed plan, for scripted teachers
 
 The names below are importable from `rlmtrain.rlm` but loaded on first use (PEP 562): REPL
 workers import modules of this package, and must not pay for the agent and its imports.

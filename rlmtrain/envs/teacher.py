@@ -1,0 +1,97 @@
+"""Scripted teachers play through the real scheduler, as RL rollouts do.
+
+Cold-start SFT data (SPEC.md §5) must be the records a policy leaves, so every env's teacher
+plays through exactly the path RL takes: the `Scheduler`, its REPLs, limits and records, with a
+scripted engine (`SimEngine` over a `reply`) in place of the model. A reply reads the prompt as
+a policy would, from its last user message alone (the query and the turn number), and answers
+with that turn's block of the expert's plan, fenced; past the end of its plan it says nothing,
+so a plan that failed in the REPL cannot pass for a finished one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rlmtrain.config import RolloutConfig
+from rlmtrain.rlm.records import RolloutGroup
+
+__all__ = ["fenced_code", "last_user_message", "plan_reply", "play", "query_and_turn"]
+
+log = logging.getLogger("rlmtrain")
+
+# Both prompt styles: "Query: <q>\n\nThis is turn N of M ..." and "Query: <q>\nTurn N of M."
+_QUERY_AND_TURN = re.compile(
+    r"Query: (?P<query>.*?)\n+(?:This is turn|Turn) (?P<turn>\d+) of \d+", re.S
+)
+
+
+def fenced_code(code: str) -> str:
+    return f"```python\n{code}\n```\n"
+
+
+def last_user_message(prompt_text: str) -> str:
+    """The fresh user message that ends a rendered chat prompt."""
+    return prompt_text.rsplit("<|im_start|>user", 1)[-1]
+
+
+def query_and_turn(prompt_text: str, who: str) -> tuple[str, int]:
+    """The query and the 0-based turn index of the prompt's last user message; ValueError
+    naming `who` when the message is not one of the templated ones."""
+    fresh = last_user_message(prompt_text)
+    matches = list(_QUERY_AND_TURN.finditer(fresh))
+    if not matches:
+        raise ValueError(f"{who}: no query or turn in the prompt: {fresh[-300:]!r}")
+    return matches[-1]["query"].strip(), int(matches[-1]["turn"]) - 1
+
+
+def plan_reply(plan_of: Callable[[str], list[str]], who: str) -> Callable[[str], str]:
+    """The reply of a teacher whose plan depends on the query alone."""
+
+    def reply(prompt_text: str) -> str:
+        query, turn = query_and_turn(prompt_text, who)
+        blocks = plan_of(query)
+        return fenced_code(blocks[turn]) if turn < len(blocks) else ""
+
+    return reply
+
+
+async def play(
+    env: Any,
+    tasks: Sequence[Any],
+    tokenizer: Any,
+    config: RolloutConfig,
+    reply: Callable[[str], str],
+    who: str,
+) -> list[RolloutGroup]:
+    """One teacher tree per task, in task order: `reply` as the engine behind the `Scheduler`
+    under `config`'s limits. Trajectories that did not finish are logged (by reason)."""
+    from rlmtrain.rollout.engines.sim import SimEngine, text_script
+    from rlmtrain.rollout.scheduler import Scheduler
+
+    engine = SimEngine(
+        script=text_script(tokenizer, reply),
+        eos_id=tokenizer.eos_id,
+        max_batch_size=config.max_batch_size,
+        decode=tokenizer.decode,
+    )
+    try:
+        groups = await Scheduler(engine, tokenizer, config).rollout(list(tasks), env, 1)
+    finally:
+        await engine.close()
+    unfinished = Counter(
+        t.finish_reason for g in groups for t in g.trajectories if t.finish_reason != "final"
+    )
+    if unfinished:
+        log.warning(
+            "%s: %d of %d trajectories did not finish (%s); max_prompt_tokens=%d",
+            who,
+            sum(unfinished.values()),
+            sum(len(g.trajectories) for g in groups),
+            ", ".join(f"{reason}: {n}" for reason, n in unfinished.most_common()),
+            config.max_prompt_tokens,
+        )
+    return groups
