@@ -163,6 +163,27 @@ def test_evicting_any_subset_leaves_the_others_intact(small, evicted):
     assert all(cache.refcount(p) == len(histories) for p in shared)
 
 
+def test_decode_attends_each_groups_shared_pages_once_and_exactly(small):
+    # Two groups behind different prefixes (3 and 1 shared pages), a loner, and a sequence
+    # whose whole table but its last page is shared: one decode batch, each hidden state equal
+    # to the full forward.
+    cache = KVCache.for_model(small, capacity_tokens=400, page_size=PAGE)
+    gen = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(0, ARGS.vocab_size, (n,), generator=gen)
+    histories = {
+        0: torch.cat([tokens(11, 12, 13), rand(5)]),
+        1: torch.cat([tokens(11, 12, 13), rand(9)]),
+        2: torch.cat([tokens(11, 12, 13), rand(1)]),
+        3: torch.cat([tokens(21), rand(6)]),
+        4: torch.cat([tokens(21), rand(2)]),
+        5: rand(7),
+    }
+    small.prefill(cache, [0, 3], [histories[0], histories[3]])
+    small.prefill(cache, [1, 2, 4, 5], [histories[s] for s in (1, 2, 4, 5)])
+    for _ in range(PAGE + 1):  # across a page boundary
+        assert_matches_recompute(small, cache, histories)
+
+
 def test_unreferenced_cached_pages_are_reused_then_recycled_tail_first(small):
     cache = KVCache.for_model(small, capacity_tokens=32, page_size=PAGE)  # 8 pages
     prompt = tokens(1, 2, 3, [4])
