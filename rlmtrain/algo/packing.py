@@ -88,10 +88,6 @@ class MicroBatch(msgspec.Struct, kw_only=True):
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
-    def shares_prefixes(self) -> bool:
-        return bool((self.prefix_of >= 0).any())
-
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on `device` (cu_seqlens stays int32)."""
         tensors = {

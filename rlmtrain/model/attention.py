@@ -115,6 +115,7 @@ class PackedAttention:
     max_seqlen: int
     block_mask: BlockMask | None = None  # flex only
     prefixes: tuple[int, ...] | None = None  # prefix_of as Python ints; None: no row continues
+    masks: tuple[Tensor | None, ...] = ()  # sdpa with prefixes: each continuation's key mask
     kv_index: Tensor | None = None  # flash with prefixes: each row's keys, prefix first
     cu_seqlens_k: Tensor | None = None  # flash with prefixes: rows of k[kv_index]
     max_seqlen_k: int = 0
@@ -124,7 +125,7 @@ class PackedAttention:
             return _flash(q, k, v, self)
         if self.backend == "flex":
             return _flex(q, k, v, self)
-        return _sdpa_per_row(q, k, v, self.bounds, self.prefixes)
+        return _sdpa_per_row(q, k, v, self.bounds, self.prefixes, self.masks)
 
 
 def plan_attention(
@@ -158,6 +159,8 @@ def plan_attention(
     if backend == "flex":
         parents = None if prefixes is None else prefix_of.to(cu32.device, torch.int32)
         plan = dataclasses.replace(plan, block_mask=_row_block_mask(cu32, num_tokens, parents))
+    if backend == "sdpa" and prefixes is not None:
+        plan = dataclasses.replace(plan, masks=_continuation_masks(bounds, prefixes, cu32.device))
     if backend == "flash" and prefixes is not None:
         kv_index, cu_k = _continuation_keys(bounds, prefixes, cu32.device)
         key_lengths = (cu_k[1:] - cu_k[:-1]).tolist()
@@ -184,7 +187,12 @@ def _check_prefixes(prefix_of: Tensor | None, rows: int) -> tuple[int, ...] | No
 
 
 def _sdpa_per_row(
-    q: Tensor, k: Tensor, v: Tensor, bounds: tuple[int, ...], prefixes: tuple[int, ...] | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bounds: tuple[int, ...],
+    prefixes: tuple[int, ...] | None,
+    masks: tuple[Tensor | None, ...],
 ) -> Tensor:
     out = []
     for row, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
@@ -202,15 +210,29 @@ def _sdpa_per_row(
             torch.cat((x[p_start:p_end].transpose(0, 1).unsqueeze(0), own), dim=2)
             for x, own in ((k, ks), (v, vs))
         )
-        shared, length = p_end - p_start, end - start
-        # Query i (at position shared + i) sees keys 0 .. shared + i: causal, bottom-right aligned.
-        visible = torch.arange(shared + length, device=q.device)[None, :] <= (
-            torch.arange(length, device=q.device)[:, None] + shared
-        )
         out.append(
-            F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible, enable_gqa=True)[0]
+            F.scaled_dot_product_attention(qs, ks, vs, attn_mask=masks[row], enable_gqa=True)[0]
         )
     return torch.cat(out, dim=1).transpose(0, 1)
+
+
+def _continuation_masks(
+    bounds: tuple[int, ...], prefixes: tuple[int, ...], device: torch.device
+) -> tuple[Tensor | None, ...]:
+    """For sdpa, built once per batch for all layers: the keys [prefix; own] each query of a
+    continuation sees (None for a row that continues nothing)."""
+    masks: list[Tensor | None] = []
+    for row, parent in enumerate(prefixes):
+        if parent == -1:
+            masks.append(None)
+            continue
+        shared, length = bounds[parent + 1] - bounds[parent], bounds[row + 1] - bounds[row]
+        # Query i (at position shared + i) sees keys 0 .. shared + i: causal, bottom-right aligned.
+        masks.append(
+            torch.arange(shared + length, device=device)[None, :]
+            <= torch.arange(length, device=device)[:, None] + shared
+        )
+    return tuple(masks)
 
 
 def _continuation_keys(

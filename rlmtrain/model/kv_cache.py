@@ -381,13 +381,13 @@ class KVCache:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
         return as_tensor(positions), as_tensor(slots), as_tensor([p + 1 for p in positions]), filled
 
-    def _page_table(self, seq_ids: list[int]) -> Tensor:
-        """`[B, P_max]` pages of each sequence; padding points at page 0."""
-        widest = max(len(self._seqs[s].pages) for s in seq_ids)
-        table = torch.zeros(len(seq_ids), widest, dtype=torch.long)
-        for row, seq_id in enumerate(seq_ids):
-            pages = self._seqs[seq_id].pages
-            table[row, : len(pages)] = torch.tensor(pages)
+    def _page_table(self, seq_ids: list[int], skip: Sequence[int]) -> Tensor:
+        """`[B, P_max]` pages of each sequence after its first `skip[b]`; padding points at
+        page 0."""
+        tables = [self._seqs[s].pages[n:] for s, n in zip(seq_ids, skip, strict=True)]
+        table = torch.zeros(len(seq_ids), max(len(t) for t in tables), dtype=torch.long)
+        for row, pages in enumerate(tables):
+            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.long)
         return table.to(self.keys.device)
 
     def _gather(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
@@ -489,14 +489,11 @@ def decode(model: Transformer, cache: KVCache, seq_ids: list[int], tokens: Tenso
     groups, shared = _shared_pages(tables)
     size, device = cache.page_size, cache.keys.device
     # Own part: each sequence's pages after the ones its group shares, padded to the widest.
-    own_tables = [table[n:] for table, n in zip(tables, shared, strict=True)]
-    widest = max(len(t) for t in own_tables)
-    own = torch.zeros(len(seq_ids), widest, dtype=torch.long)
-    for row, table in enumerate(own_tables):
-        own[row, : len(table)] = torch.tensor(table, dtype=torch.long)
+    own = cache._page_table(seq_ids, shared)
+    widest = own.shape[1]
     own_lengths = lengths - torch.tensor(shared, device=device) * size
     own_visible = torch.arange(widest * size, device=device)[None, :] < own_lengths[:, None]
-    own_pages = own.flatten().to(device)
+    own_pages = own.flatten()
     shared_pages = [
         torch.tensor(tables[rows[0]][: shared[rows[0]]], device=device) for rows in groups
     ]
@@ -513,7 +510,7 @@ def decode(model: Transformer, cache: KVCache, seq_ids: list[int], tokens: Tenso
         for rows, pages in zip(group_rows, shared_pages, strict=True):
             # The group's common pages: gathered once, attended by all its queries together.
             keys, values = cache._gather(layer, pages)
-            part, part_lse = _attend_one_query(q[rows], keys[None], values[None], None)
+            part, part_lse = _attend_one_query(q[rows], keys, values, None)
             out[rows], lse[rows] = _merge(out[rows], lse[rows], part, part_lse)
         return out.to(q.dtype)
 
@@ -549,26 +546,22 @@ def _shared_pages(tables: list[tuple[int, ...]]) -> tuple[list[list[int]], list[
 def _attend_one_query(
     q: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """Attention of one query per row, `q[N, Hq, D]`, over `keys, values[N or 1, S, Hkv, D]`
-    (`visible[N, S]` masks padding): the output `[N, Hq, D]` and the log-sum-exp of the scores
-    `[N, Hq]`, both fp32, so that parts over disjoint keys merge exactly (`_merge`)."""
+    """Attention of one query per row, `q[N, Hq, D]`, over `keys, values` that are either each
+    row's own, `[N, S, Hkv, D]` (`visible[N, S]` masks padding), or one set all rows share,
+    `[S, Hkv, D]`: the output `[N, Hq, D]` and the log-sum-exp of the scores `[N, Hq]`, both
+    fp32, so that parts over disjoint keys merge exactly (`_merge`)."""
     n, heads, dim = q.shape
-    kv_heads = keys.shape[2]
+    kv_heads = keys.shape[-2]
     grouped = q.float().view(n, kv_heads, heads // kv_heads, dim)
-    scores = (
-        torch.einsum("nkgd,mskd->nkgs", grouped, keys.float())
-        if keys.shape[0] == 1
-        else (torch.einsum("nkgd,nskd->nkgs", grouped, keys.float()))
-    )
+    # One shared key set is named without the row index, so einsum reads it once per product.
+    key_dims = "skd" if keys.dim() == 3 else "nskd"
+    scores = torch.einsum(f"nkgd,{key_dims}->nkgs", grouped, keys.float())
     scores = scores * (1.0 / math.sqrt(dim))
     if visible is not None:
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - lse[..., None])
-    if keys.shape[0] == 1:
-        out = torch.einsum("nkgs,mskd->nkgd", weights, values.float())
-    else:
-        out = torch.einsum("nkgs,nskd->nkgd", weights, values.float())
+    out = torch.einsum(f"nkgs,{key_dims}->nkgd", weights, values.float())
     return out.reshape(n, heads, dim), lse.reshape(n, heads)
 
 
