@@ -93,12 +93,13 @@ def _check_folder(directory: Path) -> Path:
 def _tokenizer(directory: Path, config: Config) -> Any:
     """The checkpoint's own tokenizer when it has one, else `model.tokenizer` ('bpe': the one
     the run trained, in `<checkpoint.dir>/tokenizer`)."""
+    from rlmtrain.model.bpe import trained_tokenizer_dir
     from rlmtrain.model.tokenizer import load_tokenizer
 
     if (directory / "tokenizer.json").is_file():
         return load_tokenizer(str(directory))
     if config.model.tokenizer == "bpe":
-        trained = Path(config.checkpoint.dir) / "tokenizer"
+        trained = trained_tokenizer_dir(config.checkpoint.dir)
         if not (trained / "tokenizer.json").is_file():
             raise ConfigError(
                 f"model.tokenizer: 'bpe' is trained by `rlmtrain train`, but neither {directory} "

@@ -61,7 +61,7 @@ from rlmtrain.envs.base import Env, Task, get_env
 from rlmtrain.evaluation import evaluate, spawned
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
 from rlmtrain.model import Transformer, build_model, named_hf_tensors, save_hf
-from rlmtrain.model.bpe import copy_tokenizer_files, train_bpe
+from rlmtrain.model.bpe import copy_tokenizer_files, train_bpe, trained_tokenizer_dir
 from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
 from rlmtrain.rewards.exploration import (
     beta_schedule,
@@ -512,7 +512,7 @@ def _tokenizer(
         return cfg, tokenizer, folder if cfg.model.tokenizer != "byte" else None
     if cfg.model.hf_dir:
         raise ConfigError("model.tokenizer: 'bpe' trains a new vocabulary; a loaded hf_dir has one")
-    folder = run_dir / "tokenizer"
+    folder = trained_tokenizer_dir(run_dir)
     began = time.perf_counter()
     tokenizer = train_bpe(env.vocabulary_texts(tasks), cfg.model.bpe_vocab_size, folder)
     log.info(

@@ -39,7 +39,9 @@ def _with_trained_tokenizer(config: Config) -> Config:
 
     if config.model.tokenizer != "bpe":
         return config
-    folder = Path(config.checkpoint.dir) / "tokenizer"
+    from rlmtrain.model.bpe import trained_tokenizer_dir
+
+    folder = trained_tokenizer_dir(config.checkpoint.dir)
     if not (folder / "tokenizer.json").is_file():
         raise ConfigError(
             f"model.tokenizer: 'bpe' is trained by `rlmtrain train` into {folder}, which has no "
