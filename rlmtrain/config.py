@@ -69,9 +69,10 @@ class ModelConfig(_Section):
     vocab_size: Annotated[
         int, _doc("embedding rows of a randomly initialised model; 0 = the preset's", ge=0)
     ] = 0
-    dtype: Annotated[Literal["float32", "bfloat16"], _doc("parameter and activation dtype")] = (
-        "float32"
-    )
+    dtype: Annotated[
+        Literal["float32", "bfloat16"],
+        _doc("compute dtype of training and rollouts; trained weights stay fp32 masters"),
+    ] = "float32"
     attention: Annotated[
         Literal["auto", "flash", "flex", "sdpa"],
         _doc("attention backend; auto = flash-attn on CUDA when installed, else flex"),
@@ -223,7 +224,22 @@ class TrainConfig(_Section):
     sft_step_tokens: Annotated[
         int, _doc("tokens of teacher samples per SFT optimizer step (packed turns)", ge=16)
     ] = 16384
+    lr_schedule: Annotated[
+        Literal["constant", "linear", "cosine"],
+        _doc("LR over each phase (SFT, RL): warm up, then hold or decay to min_lr_ratio x peak"),
+    ] = "constant"
+    warmup_steps: Annotated[
+        int, _doc("steps of linear LR warm-up at the start of each phase", ge=0)
+    ] = 0
+    min_lr_ratio: Annotated[
+        float, _doc("LR at a phase's last step over its peak, for linear and cosine", ge=0, le=1)
+    ] = 0.0
     weight_decay: Annotated[float, _doc("AdamW weight decay", ge=0)] = 0.0
+    adam_betas: Annotated[list[float], _doc("AdamW (beta1, beta2)")] = msgspec.field(
+        default_factory=lambda: [0.9, 0.999]
+    )
+    adam_eps: Annotated[float, _doc("AdamW epsilon", gt=0)] = 1e-8
+    adam_fused: Annotated[bool, _doc("AdamW's fused implementation (one kernel per step)")] = False
     grad_clip: Annotated[float, _doc("max global grad norm; 0 = off", ge=0)] = 1.0
     loss_impl: Annotated[
         Literal["auto", "torch", "triton", "unfused"],
@@ -239,8 +255,18 @@ class TrainConfig(_Section):
 
 class CheckpointConfig(_Section):
     dir: Annotated[str, _doc("run folder for checkpoints, logs and data")] = "runs/tiny"
-    every: Annotated[int, _doc("save every N steps; 0 = only at the end", ge=0)] = 0
-    resume: Annotated[bool, _doc("resume from the newest checkpoint in dir")] = False
+    every: Annotated[
+        int,
+        _doc(
+            "save a resumable checkpoint (sharded model and optimizer, trainer state, RNG) every "
+            "N steps of each phase under dir/checkpoints; 0 = none (the final export only)",
+            ge=0,
+        ),
+    ] = 0
+    keep: Annotated[int, _doc("resumable checkpoints kept, newest first", ge=1)] = 2
+    resume: Annotated[
+        bool, _doc("resume from the newest complete checkpoint in dir (none yet: start fresh)")
+    ] = False
 
 
 class LoggingConfig(_Section):
@@ -320,9 +346,80 @@ SECTIONS: dict[str, type[_Section]] = {
 
 def _validate(raw: dict[str, Any], source: str) -> Config:
     try:
-        return msgspec.convert(raw, Config, strict=True)
+        config = msgspec.convert(raw, Config, strict=True)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_readable(str(exc))}") from None
+    problem = preflight(config)
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
+    return config
+
+
+def preflight(config: Config) -> str:
+    """The first rule across fields that `config` breaks, as "key 'section.key': why"; "" when
+    it keeps them all. These are the limits one key sets for another, which the schema's
+    per-field bounds cannot see; each would otherwise fail mid-run, on the first long turn or
+    the first deep tree."""
+    model, rollout, algo, train = config.model, config.rollout, config.algo, config.train
+    longest_turn = rollout.max_prompt_tokens + rollout.max_new_tokens
+    rules = [
+        (
+            "algo.micro_batch_tokens",
+            algo.micro_batch_tokens >= longest_turn or algo.truncate_long_samples,
+            f"{algo.micro_batch_tokens} is less than the longest possible turn "
+            f"(rollout.max_prompt_tokens + rollout.max_new_tokens = {longest_turn}); raise it, "
+            "lower those, or set algo.truncate_long_samples = true",
+        ),
+        (
+            "rollout.kv_cache_tokens",
+            rollout.engine != "native" or rollout.kv_cache_tokens >= longest_turn,
+            f"{rollout.kv_cache_tokens} cannot hold one turn of rollout.max_prompt_tokens + "
+            f"rollout.max_new_tokens = {longest_turn} tokens",
+        ),
+        (
+            "rollout.max_live_workers",
+            rollout.max_live_workers >= rollout.max_depth + 1,
+            f"{rollout.max_live_workers} cannot hold one chain of rollout.max_depth + 1 = "
+            f"{rollout.max_depth + 1} trajectories, each waiting on its child",
+        ),
+        (
+            "algo.dual_clip",
+            algo.dual_clip == 0 or algo.dual_clip > 1 + algo.clip_high,
+            f"{algo.dual_clip} must be 0 (off) or above 1 + algo.clip_high = "
+            f"{1 + algo.clip_high}, where the ordinary clip ends",
+        ),
+        (
+            "algo.tis_cap",
+            algo.tis_cap == 0 or algo.tis_cap >= 1,
+            f"{algo.tis_cap} would cap even on-policy tokens below weight 1; use 0 (off) or >= 1",
+        ),
+        (
+            "algo.updates_per_batch",
+            algo.updates_per_batch == 1 or algo.clip_low > 0 or algo.clip_high > 0,
+            "several updates per batch with no clip (algo.clip_low = algo.clip_high = 0) let "
+            "the policy run away from pi_old",
+        ),
+        (
+            "train.adam_betas",
+            len(train.adam_betas) == 2 and all(0 <= b < 1 for b in train.adam_betas),
+            f"{train.adam_betas} must be two numbers in [0, 1)",
+        ),
+        (
+            "train.warmup_steps",
+            train.warmup_steps == 0 or train.warmup_steps < max(train.steps, train.sft_steps),
+            f"{train.warmup_steps} warm-up steps leave no step at the peak LR in either phase",
+        ),
+        (
+            "model.tokenizer",
+            model.tokenizer != "bpe" or not model.hf_dir,
+            "'bpe' trains a new vocabulary, but model.hf_dir brings its own; set "
+            "model.tokenizer = '' to use the checkpoint's",
+        ),
+    ]
+    for key, holds, why in rules:
+        if not holds:
+            return f"key '{key}': {why}"
+    return ""
 
 
 def _readable(message: str) -> str:

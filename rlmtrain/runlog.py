@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -103,6 +104,34 @@ class RunLog:
 
             total = cfg.train.sft_steps + cfg.train.steps
             self._bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def rewind(self, position: int | None) -> None:
+        """Line the run's files up with where training goes on: None (a fresh run) empties
+        metrics, evaluations and samples left in the folder by an earlier run; a global step
+        (a resumed run) keeps what was recorded up to it, drops what came after (the steps
+        about to be redone) and takes the kept rows back into the curves and the summary."""
+        if not self._on:
+            return
+        for file in (self._metrics, self._eval_file, self._samples_file):
+            kept = [] if position is None else [r for r in file.read() if self._at(r) <= position]
+            file.rewrite(kept)
+        for row in self._metrics.read():
+            at = self._at(row)
+            self._position = max(self._position, at)
+            if row.get("phase") == "sft" and isinstance(row.get("loss"), int | float):
+                self._sft_loss.append((at, float(row["loss"])))
+            if row.get("phase") == "rl" and "reward_mean" in row:
+                self._rl_reward.append((at, _float(row["reward_mean"])))
+        for report in self._eval_file.read():
+            at = int(report.pop("global_step", 0) or 0)
+            self._evals.append((at, report))
+        if self._bar is not None:
+            self._bar.update(self._position)
+
+    def _at(self, row: dict[str, Any]) -> int:
+        if "global_step" in row:
+            return int(row["global_step"])
+        return self._global_step(row.get("phase"), row.get("step"))
 
     # ------------------------------------------------------------------ per step
 
@@ -296,6 +325,28 @@ class _JsonLines:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every complete line written so far (a line cut short by a kill is left out)."""
+        if not self.path.is_file():
+            return []
+        rows = []
+        for line in self.path.read_bytes().splitlines():
+            try:
+                rows.append(msgspec.json.decode(line))
+            except msgspec.DecodeError:
+                continue
+        return rows
+
+    def rewrite(self, rows: list[dict[str, Any]]) -> None:
+        """Replace the file's lines with `rows` (atomically: written beside, then renamed)."""
+        self.close()
+        if not rows and not self.path.exists():
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in rows))
+        os.replace(partial, self.path)
 
 
 def _scalars(row: dict[str, Any], prefix: str) -> dict[str, float]:

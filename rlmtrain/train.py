@@ -1,32 +1,36 @@
 """The single training script: data, SFT warm-up on teacher trees, then GRPO over rollout trees.
 
     rlmtrain train --config configs/tiny-cpu.toml [--section.key=value ...]
+    python -m rlmtrain.train --config ...                      (the same, one process)
+    torchrun --nproc_per_node 8 -m rlmtrain.train --config ... (one rank per device)
 
-Read top to bottom, it is the whole loop of ARCHITECTURE.md on one process:
+Read top to bottom, it is the whole loop of ARCHITECTURE.md:
 
 1. data: the env's three disjoint task sets (`Env.split_tasks`): the SFT slice, the RL tasks and
-   the held-out evaluation tasks, each from its file or synthesised from its own paper groups;
+   the held-out evaluation tasks, each from its file or synthesised from its own paper groups
+   (by rank 0; the other ranks read what it wrote);
 2. tokenizer and model: a BPE trained on the run's own training text when `model.tokenizer` is
-   'bpe' (the model then gets exactly its vocabulary), the model from its preset or a checkpoint;
+   'bpe' (the model then gets exactly its vocabulary), the model from its preset or a checkpoint,
+   sharded with FSDP2 over the ranks (`parallel.shard`; fp32 master weights, `model.dtype`
+   compute), AdamW and its LR schedule (`optim`);
 3. SFT: the env's scripted teacher plays the SFT slice through the scheduler on a scripted
    engine; trees with a REPL error or a zero score are dropped; every kept turn is an NLL
-   sample, batched by tokens (`train.sft_step_tokens`) and averaged over completion tokens;
-4. RL: each step rolls out `tasks_per_step` tasks x G roots with the scheduler on the engine
-   (sampling seeded per step), scores roots, turns rewards into tree advantages and exact
-   per-token weights, packs the turns and takes `algo.updates_per_batch` clipped-GRPO updates
-   through the fused loss; the new weights go to the engine by their Hugging Face names;
-5. evaluation of the held-out tasks (`evaluation.evaluate`) at init, after SFT, every
-   `eval.every` RL steps and at the end, all recorded by `runlog.RunLog` (metrics, evaluations,
-   sample trees, TensorBoard, W&B, the curves' PNG); the final model is saved as a Hugging Face
-   checkpoint with its tokenizer.
-
-Single-process (CPU or one GPU). FSDP2 sharding, vLLM colocation and resuming build on these
-same seams and are not wired here yet; a config asking for them stops with a clear error.
+   sample, batched by tokens (`train.sft_step_tokens`), averaged over completion tokens, each
+   step's batch dealt over the ranks;
+4. RL: each step's `tasks_per_step` tasks are dealt over the ranks; each rank rolls out its
+   share x G roots on its own engine (sampling seeded by the request's place in the tree),
+   scores roots and turns rewards into tree advantages and exact per-token weights over the
+   global number of kept groups; the samples of every rank are gathered and re-dealt by tokens,
+   and `algo.updates_per_batch` clipped-GRPO updates run through the fused loss; the new weights
+   go to every engine by their Hugging Face names;
+5. evaluation of the held-out tasks (`evaluation.evaluate`, on rank 0) at init, after SFT, every
+   `eval.every` RL steps and at the end, all recorded by `runlog.RunLog`; resumable checkpoints
+   every `checkpoint.every` steps (`checkpointing`), from which `checkpoint.resume` goes on
+   exactly; the final model exported as a Hugging Face checkpoint with its tokenizer.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import logging
@@ -42,8 +46,11 @@ import msgspec
 import numpy as np
 import torch
 import uvloop
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from rlmtrain import checkpointing, parallel
 from rlmtrain.algo import (
     IGNORE_INDEX,
     MicroBatch,
@@ -56,13 +63,14 @@ from rlmtrain.algo import (
 )
 from rlmtrain.algo.unfused import unfused_grpo_loss, unfused_logprob, unfused_nll
 from rlmtrain.config import Config, ConfigError
-from rlmtrain.devices import resolve_device
 from rlmtrain.envs.base import Env, Task, get_env
 from rlmtrain.evaluation import evaluate, spawned
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
-from rlmtrain.model import Transformer, build_model, named_hf_tensors, save_hf
-from rlmtrain.model.bpe import copy_tokenizer_files, train_bpe, trained_tokenizer_dir
+from rlmtrain.model import Transformer, build_model, save_hf
+from rlmtrain.model.bpe import tokenizer_files, train_bpe, trained_tokenizer_dir
+from rlmtrain.model.hf import hf_named
 from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
+from rlmtrain.optim import build_optimizer, lr_at, set_lr
 from rlmtrain.rewards.exploration import (
     beta_schedule,
     diversity_bonus,
@@ -81,29 +89,33 @@ T = TypeVar("T")
 
 
 def main(cfg: Config) -> int:
-    logging.basicConfig(level=cfg.logging.level.upper(), format="%(message)s", stream=sys.stderr)
-    _refuse_unwired(cfg)
-    random.seed(cfg.train.seed)
-    np.random.seed(cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
-    # Log lines print above the run's progress bar instead of cutting through it.
-    with logging_redirect_tqdm():
-        return uvloop.run(_train(cfg))
+    """Train as `cfg` says, as one rank of the world the environment describes (one process
+    when not launched by torchrun)."""
+    world, device = parallel.start(cfg.train.device)
+    try:
+        level = cfg.logging.level.upper() if world.is_main else "WARNING"
+        logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
+        _refuse_unwired(cfg)
+        random.seed(cfg.train.seed)
+        np.random.seed(cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
+        # Log lines print above the run's progress bar instead of cutting through it.
+        with logging_redirect_tqdm():
+            return uvloop.run(_train(cfg, world, device))
+    finally:
+        parallel.stop()
 
 
-async def _train(cfg: Config) -> int:
+async def _train(cfg: Config, world: parallel.World, device: torch.device) -> int:
     began = time.perf_counter()
-    device = resolve_device(cfg.train.device)
     run_dir = Path(cfg.checkpoint.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    resume_from = _resume_point(cfg, run_dir)
 
     # ---------------------------------------------------------------- data
     env = get_env(cfg.data.env, cfg)
-    sft_tasks = env.split_tasks(cfg, "sft") if cfg.train.sft_steps else []
-    rl_tasks = env.split_tasks(cfg, "rl") if cfg.train.steps else []
-    eval_tasks = env.split_tasks(cfg, "eval") if cfg.eval.every else []
-    if cfg.eval.tasks:
-        eval_tasks = eval_tasks[: cfg.eval.tasks]
+    # Rank 0 synthesises the data and trains the tokenizer; the others then read its files.
+    sft_tasks, rl_tasks, eval_tasks = _on_main_first(world, lambda: _task_sets(cfg, env))
     log.info(
         "data: %s, %d SFT / %d RL / %d held-out tasks",
         cfg.data.env,
@@ -113,61 +125,98 @@ async def _train(cfg: Config) -> int:
     )
 
     # ---------------------------------------------------------------- tokenizer and model
-    cfg, tokenizer, tokenizer_dir = _tokenizer(cfg, env, [*sft_tasks, *rl_tasks], run_dir)
-    model = build_model(cfg.model).to(device)
-    if tokenizer.vocab_size > model.args.vocab_size:
+    cfg, tokenizer, tokenizer_dir = _on_main_first(
+        world, lambda: _tokenizer(cfg, env, [*sft_tasks, *rl_tasks], run_dir, world)
+    )
+    policy = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
+    if tokenizer.vocab_size > policy.args.vocab_size:
         raise ConfigError(
             f"model.tokenizer: vocabulary of {tokenizer.vocab_size} does not fit the model's "
-            f"{model.args.vocab_size} embeddings"
+            f"{policy.args.vocab_size} embeddings"
         )
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.train.sft_lr or cfg.train.lr, weight_decay=cfg.train.weight_decay
-    )
+    model = parallel.shard(policy, device, _DTYPES[cfg.model.dtype])
+    optimizer = build_optimizer(model, cfg)
     log.info(
-        "model: %s, %.2fM parameters, vocabulary %d, on %s",
+        "model: %s, %.2fM parameters, vocabulary %d, on %d x %s (%s compute, fp32 masters)",
         cfg.model.preset,
         _millions(model),
         model.args.vocab_size,
-        device,
+        world.size,
+        device.type,
+        cfg.model.dtype,
     )
+    state = checkpointing.TrainerState(
+        phase="sft" if cfg.train.sft_steps else "rl",
+        step=0,
+        lr=0.0,
+        seed=cfg.train.seed,
+        world_size=world.size,
+    )
+    if resume_from is not None:
+        state = checkpointing.load(resume_from, model, optimizer)
+        log.info("resumed from %s: %s step %d", resume_from, state.phase, state.step)
     # The engine serves its own copy of the policy, kept in step through update_weights by HF
     # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
-    engine = build_engine(cfg, tokenizer)
-    runlog = RunLog(cfg, run_dir)
-    save = functools.partial(_save, model, tokenizer_dir)
+    engine = build_engine(cfg, tokenizer, device=device)
+    runlog = RunLog(cfg, run_dir, rank0=world.is_main)
+    runlog.rewind(_global_step(cfg, state) if resume_from is not None else None)
+    sync = _EngineSync(engine, model)
 
     async def evaluate_now(phase: str, step: int) -> None:
         if not eval_tasks:
             return
-        await engine.update_weights(named_hf_tensors(model))
-        report = await evaluate(
-            cfg, model, tokenizer, env, eval_tasks, engine=engine, phase=phase, step=step
+        await sync()
+        if world.is_main:
+            report = await evaluate(
+                cfg, model, tokenizer, env, eval_tasks, engine=engine, phase=phase, step=step
+            )
+            runlog.eval(report)
+            log.info(
+                "eval %-5s step %3d  reward %s  spawn rate %s  children/root %.2f  "
+                "(%d tasks, %.0f s)",
+                phase,
+                step,
+                _number(report["reward_mean"]),
+                _percent(report["spawn_rate"]),
+                report["children_per_root"],
+                report["tasks"],
+                report["seconds"],
+            )
+        parallel.barrier()
+
+    def save_checkpoint(
+        phase: str, step: int, lr: float, reference: Transformer | None = None
+    ) -> None:
+        done = msgspec.structs.replace(state, phase=phase, step=step, lr=lr)
+        frozen = {"reference": reference} if reference is not None else None
+        out = checkpointing.save(
+            run_dir, model, optimizer, done, keep=cfg.checkpoint.keep, frozen=frozen
         )
-        runlog.eval(report)
-        log.info(
-            "eval %-5s step %3d  reward %s  spawn rate %s  children/root %.2f  (%d tasks, %.0f s)",
-            phase,
-            step,
-            _number(report["reward_mean"]),
-            _percent(report["spawn_rate"]),
-            report["children_per_root"],
-            report["tasks"],
-            report["seconds"],
-        )
+        log.info("checkpoint %s", out)
 
     try:
-        await evaluate_now("init", 0)
+        if resume_from is None:
+            await evaluate_now("init", 0)
 
         # ------------------------------------------------------------ SFT warm-up
-        if cfg.train.sft_steps:
-            samples = await _teacher_samples(cfg, env, sft_tasks, tokenizer)
-            batches = _token_batches(samples, cfg.train.sft_step_tokens)
-            for step in range(cfg.train.sft_steps):
+        if cfg.train.sft_steps and state.phase == "sft":
+            samples = parallel.broadcast(
+                await _teacher_samples(cfg, env, sft_tasks, tokenizer) if world.is_main else None
+            )
+            batches = _token_batches(samples, cfg.train.sft_step_tokens, cfg.train.seed)
+            for _ in range(state.step):
+                next(batches)
+            for step in range(state.step, cfg.train.sft_steps):
                 step_began = time.perf_counter()
-                row = _sft_step(model, optimizer, _pack(next(batches), cfg), cfg, device)
-                row.update(phase="sft", step=step, seconds=time.perf_counter() - step_began)
+                lr = lr_at(cfg, "sft", step)
+                set_lr(optimizer, lr)
+                packed = _pack(next(batches), cfg, world.size)
+                row = _sft_step(model, optimizer, packed, cfg, device, rank=world.rank)
+                row.update(phase="sft", step=step, lr=lr, seconds=time.perf_counter() - step_began)
+                sync.stale()
                 runlog.step(row)
-                _maybe_save(save, cfg, "sft", step)
+                if _due(cfg, step):
+                    save_checkpoint("sft", step + 1, lr)
                 if step % cfg.logging.every == 0 or step == cfg.train.sft_steps - 1:
                     log.info(
                         "sft %3d  nll %.4f  entropy %.3f  tokens %d  %.0f tok/s",
@@ -177,14 +226,15 @@ async def _train(cfg: Config) -> int:
                         row["tokens"],
                         row["tokens"] / row["seconds"],
                     )
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.train.lr
             await evaluate_now("sft", cfg.train.sft_steps)
+            state = msgspec.structs.replace(state, phase="rl", step=0)
 
         # ------------------------------------------------------------ RL
         if cfg.train.steps:
+            reference = _reference(cfg, model, device, resume_from, state.step)
             await _rl(
                 cfg,
+                world,
                 model,
                 optimizer,
                 tokenizer,
@@ -192,16 +242,19 @@ async def _train(cfg: Config) -> int:
                 rl_tasks,
                 device,
                 engine,
+                sync,
                 runlog,
-                save,
+                state.step,
+                reference,
+                save_checkpoint,
                 evaluate_now,
             )
             await evaluate_now("final", cfg.train.sft_steps + cfg.train.steps)
 
-        # ------------------------------------------------------------ save
-        out = save(run_dir / "final")
+        # ------------------------------------------------------------ export
+        out = _export(cfg, model, tokenizer, tokenizer_dir, run_dir / "final", world)
         log.info("saved %s (%.0f s in all)", out, time.perf_counter() - began)
-        if eval_tasks:
+        if eval_tasks and world.is_main:
             sys.stderr.write(runlog.summary_table() + "\n")
     finally:
         runlog.close()
@@ -209,11 +262,33 @@ async def _train(cfg: Config) -> int:
     return 0
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class _EngineSync:
+    """Sends the policy's weights to the engine when they changed since the last send: every
+    rank gathers the whole state from the shards (a collective) and updates its own engine."""
+
+    def __init__(self, engine: Engine, model: torch.nn.Module) -> None:
+        self._engine = engine
+        self._model = model
+        self._current = False
+
+    def stale(self) -> None:
+        self._current = False
+
+    async def __call__(self) -> None:
+        if not self._current:
+            await self._engine.update_weights(hf_named(parallel.full_state(self._model)))
+            self._current = True
+
+
 # ==================================================================== RL phase
 
 
 async def _rl(
     cfg: Config,
+    world: parallel.World,
     model: Transformer,
     optimizer: torch.optim.Optimizer,
     tokenizer: Tokenizer,
@@ -221,47 +296,70 @@ async def _rl(
     tasks: list[Task],
     device: torch.device,
     engine: Engine,
+    sync: _EngineSync,
     runlog: RunLog,
-    save: Callable[[Path], Path],
+    first_step: int,
+    reference: Transformer | None,
+    save_checkpoint: Callable[..., None],
     evaluate_now: Callable[[str, int], Awaitable[None]],
 ) -> None:
-    await engine.update_weights(named_hf_tensors(model))
-    # The k3 KL anchors the policy to where RL started (after SFT): a frozen copy of it.
-    reference = _frozen_copy(model) if cfg.algo.kl_beta > 0 else None
-    picks = _batches(tasks, cfg.train.tasks_per_step)
-    for step in range(cfg.train.steps):
+    picks = _batches(tasks, cfg.train.tasks_per_step, cfg.train.seed)
+    for _ in range(first_step):
+        next(picks)
+    for step in range(first_step, cfg.train.steps):
         began = time.perf_counter()
-        batch = next(picks)
-        # Seeded per step: each request's stream comes from (seed, trajectory id, turn), so a
-        # rerun samples the same trees whatever order the engine batched them in.
+        lr = lr_at(cfg, "rl", step)
+        set_lr(optimizer, lr)
+        await sync()
+        # This rank's share of the step's tasks, all G roots of a task on one rank.
+        batch = next(picks)[world.rank :: world.size]
+        # Each request's seed comes from (this seed, trajectory id, turn): a rerun samples the
+        # same trees whatever order the engine batched them in, on any number of ranks.
         sampling = SamplingParams(
             temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p,
             seed=cfg.train.seed * 1_000_003 + step,
         )
         scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
-        groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples)
-        scores = await env.root_scores(batch, groups)
+        groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples) if batch else []
+        scores = await env.root_scores(batch, groups) if batch else []
         rewards = _with_exploration_bonus(groups, scores, cfg, step)
         credit = _tool_credit(groups) if cfg.algo.tool_credit_alpha > 0 else None
         advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo, tool_credit=credit)
-        flat = [r for rs in scores for r in rs if r is not None]
+        counts = parallel.all_sum(
+            torch.tensor(
+                [len(advantages), adv_stats.groups_dropped_uniform, adv_stats.roots_unscored],
+                dtype=torch.float64,
+            )
+        )
+        kept, dropped, unscored = (int(c) for c in counts.tolist())
+        # Every weight divides by the global count of kept groups: SPEC §4's objective for the
+        # whole batch, of which each rank holds a share.
+        local = build_samples(groups, advantages, cfg.algo, num_groups=max(1, kept))
+        flat_local = [r for rs in scores for r in rs if r is not None]
+        shares = parallel.all_gather((local, flat_local))
+        samples = [sample for share, _ in shares for sample in share]
+        flat = [r for _, rewards_of_rank in shares for r in rewards_of_rank]
         row: dict[str, Any] = {
             "phase": "rl",
             "step": step,
+            "lr": lr,
             "reward_mean": _mean(flat),
-            "groups_kept": len(advantages),
-            "groups_dropped_uniform": adv_stats.groups_dropped_uniform,
-            "roots_unscored": adv_stats.roots_unscored,
+            "groups_kept": kept,
+            "groups_dropped_uniform": dropped,
+            "roots_unscored": unscored,
             **_rollout_row(scheduler, groups),
         }
-        samples = build_samples(groups, advantages, cfg.algo, num_groups=max(1, len(advantages)))
         if samples:
             train_began = time.perf_counter()
-            row.update(_grpo_step(model, optimizer, _pack(samples, cfg), cfg, device, reference))
+            packed = _pack(samples, cfg, world.size)
+            row.update(
+                _grpo_step(model, optimizer, packed, cfg, device, reference, rank=world.rank)
+            )
             row["train_s"] = time.perf_counter() - train_began
+            sync.stale()
             sync_began = time.perf_counter()
-            await engine.update_weights(named_hf_tensors(model))
+            await sync()
             row["sync_s"] = time.perf_counter() - sync_began
         row["seconds"] = time.perf_counter() - began
         runlog.step(row)
@@ -278,15 +376,16 @@ async def _rl(
                 for turn in trajectory.turns
             ],
         )
-        _maybe_save(save, cfg, "rl", step)
+        if _due(cfg, step):
+            save_checkpoint("rl", step + 1, lr, reference)
         if step % cfg.logging.every == 0 or step == cfg.train.steps - 1:
             log.info(
                 "rl %3d  reward %.3f  groups %d/%d  loss %s  tokens %d  rollout %.1f s  "
                 "step %.1f s  finish %s",
                 step,
                 row["reward_mean"],
-                len(advantages),
-                len(groups),
+                kept,
+                kept + dropped,
                 f"{row['loss']:.4f}" if "loss" in row else "-",
                 row.get("tokens", 0),
                 row["rollout_s"],
@@ -301,26 +400,36 @@ async def _rl(
 # ==================================================================== train steps
 
 
-def _pack(samples: list[Sample], cfg: Config) -> PackedBatches:
+def _pack(samples: list[Sample], cfg: Config, world_size: int = 1) -> PackedBatches:
     return pack(
         samples,
         cfg.algo.micro_batch_tokens,
+        world_size=world_size,
         truncate=cfg.algo.truncate_long_samples,
         shared_prefix_tokens=cfg.algo.shared_prefix_tokens,
     )
 
 
-def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> dict[str, Any]:
-    """One optimizer step of weighted NLL over every micro-batch (weights sum to the objective);
-    the step's sums stay on the device and are read once."""
+def _my_micro_batches(batches: PackedBatches, rank: int, device) -> list[MicroBatch]:
+    """This rank's micro-batches on the device; an empty one (the packer deals every rank the
+    same count) becomes a one-token micro-batch that trains nothing, so that this rank still
+    joins every collective of the forward and backward."""
+    return [
+        (mb if mb.num_tokens else MicroBatch.placeholder()).to(device)
+        for mb in batches.micro_batches(rank)
+    ]
+
+
+def _sft_step(
+    model, optimizer, batches: PackedBatches, cfg: Config, device, *, rank: int = 0
+) -> dict[str, Any]:
+    """One optimizer step of weighted NLL over this rank's micro-batches (weights over all
+    ranks sum to the objective); the step's sums stay on the device and are read once."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     head = _head(cfg)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, entropy sum, trained
-    for mb in batches.micro_batches():
-        if mb.num_tokens == 0:
-            continue
-        mb = mb.to(device)
+    for mb in _my_micro_batches(batches, rank, device):
         hidden = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.prefix_of)
         loss, entropy = head.nll(
             hidden, model.lm_head_weight, mb.targets, mb.weights, return_entropy=True
@@ -329,7 +438,7 @@ def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> 
         mask = mb.targets != IGNORE_INDEX
         sums += torch.stack([loss.detach(), entropy.detach()[mask].sum(), mask.sum()]).double()
     grad_norm = _clip_and_step(model, optimizer, cfg)
-    loss_sum, entropy_sum, trained = sums.tolist()
+    loss_sum, entropy_sum, trained = parallel.all_sum(sums).tolist()
     return {
         "loss": loss_sum,
         "entropy": entropy_sum / max(1.0, trained),
@@ -340,7 +449,7 @@ def _sft_step(model, optimizer, batches: PackedBatches, cfg: Config, device) -> 
     }
 
 
-_GRPO_SUMS = ("loss", "clip_frac_low", "clip_frac_high", "tis_clipped_frac", "kl_mean", "entropy")
+_GRPO_SUMS = ("loss", "clip_frac_low", "clip_frac_high", "tis_clipped_frac", "kl_mean")
 
 
 def _grpo_step(
@@ -350,23 +459,27 @@ def _grpo_step(
     cfg: Config,
     device: torch.device,
     reference: Transformer | None = None,
+    *,
+    rank: int = 0,
 ) -> dict[str, Any]:
-    """Clipped-GRPO updates over the rollout batch's micro-batches.
+    """Clipped-GRPO updates over this rank's micro-batches of the rollout batch.
 
     With one update per batch (`algo.updates_per_batch = 1`) pi_old is the detached current
     policy, which the fused loss takes as `old_logp=None`: no second forward. With more, the
     micro-batches are split into that many mini-batches, pi_old is computed once before the
     first update, and the clip then acts. pi_ref is the frozen `reference`; the engine's
-    log-probs enter through truncated IS. Metrics are summed on the device and read once.
+    log-probs enter through truncated IS. Metrics are summed on the device (and over the
+    ranks) and read once.
     """
-    micro = [mb.to(device) for mb in batches.micro_batches() if mb.num_tokens]
+    micro = _my_micro_batches(batches, rank, device)
+    # The packer gives every rank the same count, so every rank splits alike.
     updates = min(cfg.algo.updates_per_batch, len(micro))
     old = [_logprobs(model, mb, cfg) if updates > 1 else None for mb in micro]
     ref = [_logprobs(reference, mb, cfg) if reference is not None else None for mb in micro]
     model.train()
     head = _head(cfg)
-    sums = torch.zeros(len(_GRPO_SUMS), dtype=torch.float64, device=device)
-    mismatch = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.zeros(len(_GRPO_SUMS) + 2, dtype=torch.float64, device=device)
+    mismatch = torch.zeros(1, dtype=torch.float64, device=device)
     norms = []
     for chunk in np.array_split(np.arange(len(micro)), updates):
         optimizer.zero_grad(set_to_none=True)
@@ -394,7 +507,7 @@ def _grpo_step(
             # every update sees a gradient of the objective's size.
             (loss * updates).backward()
             trained = mb.targets != IGNORE_INDEX
-            share = mb.num_tokens / batches.stats.tokens
+            share = mb.num_tokens / batches.stats.tokens if trained.any() else 0.0
             sums += torch.stack(
                 [
                     loss.detach(),
@@ -402,16 +515,19 @@ def _grpo_step(
                     m.clip_high_frac * share,
                     m.tis_clipped_frac * share,
                     m.kl_mean * share,
-                    entropy.detach()[trained].mean() * share,
+                    entropy.detach()[trained].sum(),
+                    trained.sum(),
                 ]
             ).double()
             if old[i] is not None and trained.any():
                 gap = (old[i] - mb.sampler_logp)[trained].abs().max().double()
                 mismatch = torch.maximum(mismatch, gap)
         norms.append(_clip_and_step(model, optimizer, cfg))
-    row = dict(zip(_GRPO_SUMS, sums.tolist(), strict=True))
+    totals = parallel.all_sum(sums).tolist()
+    row = dict(zip(_GRPO_SUMS, totals, strict=False))
+    row["entropy"] = totals[-2] / max(1.0, totals[-1])
     if updates > 1:
-        row["engine_logp_max_abs_diff"] = float(mismatch)
+        row["engine_logp_max_abs_diff"] = float(parallel.all_max(mismatch))
     row.update(
         tokens=batches.stats.tokens,
         shared_tokens=batches.stats.shared_tokens,
@@ -449,9 +565,35 @@ def _head(cfg: Config) -> _HeadOps:
 
 
 def _frozen_copy(model: Transformer) -> Transformer:
-    reference = copy.deepcopy(model).eval()
+    """A frozen copy of an unsharded model (what `_reference` makes of a sharded one)."""
+    reference = build_model_like(model).eval()
+    reference.load_state_dict(model.state_dict())
     reference.requires_grad_(False)
     return reference
+
+
+def build_model_like(model: Transformer) -> Transformer:
+    return Transformer(
+        model.args,
+        attention=model.attention,
+        activation_checkpointing=model.activation_checkpointing,
+    )
+
+
+def _reference(
+    cfg: Config, model: Transformer, device: torch.device, resume_from: Path | None, step: int
+) -> Transformer | None:
+    """The k3 KL's anchor: the policy where RL started (after SFT), frozen and sharded like it;
+    a run resumed inside RL reads the one its checkpoint saved."""
+    if cfg.algo.kl_beta <= 0:
+        return None
+    reference = parallel.shard(build_model_like(model), device, _DTYPES[cfg.model.dtype])
+    if resume_from is not None and step > 0:
+        checkpointing.load_frozen(resume_from, "reference", reference)
+    else:
+        set_model_state_dict(reference, get_model_state_dict(model))
+    reference.requires_grad_(False)
+    return reference.eval()
 
 
 def _with_exploration_bonus(
@@ -481,7 +623,9 @@ def _tool_credit(groups: list[RolloutGroup]) -> dict[str, list[int]]:
 
 def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Config) -> float:
     max_norm = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    # Over sharded gradients the norm is a DTensor; its whole value is the global norm.
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     if not math.isfinite(norm):
         raise FloatingPointError(f"gradient norm is {norm}; step skipped would hide it, stopping")
     optimizer.step()
@@ -496,31 +640,62 @@ def _refuse_unwired(cfg: Config) -> None:
         raise ConfigError(
             f"rollout.engine: '{cfg.rollout.engine}' is not wired into train yet; use 'native'"
         )
-    if cfg.checkpoint.resume:
-        raise ConfigError("checkpoint.resume: resuming is not wired into train yet")
+
+
+def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint `checkpoint.resume` continues from; None for a fresh run (also when the
+    run has none yet). An incomplete or damaged newest one is a CheckpointError."""
+    if not cfg.checkpoint.resume:
+        return None
+    found = checkpointing.latest(run_dir)
+    if found is None:
+        log.info("checkpoint.resume: no checkpoint in %s yet, starting fresh", run_dir)
+    return found
+
+
+def _on_main_first(world: parallel.World, make: Callable[[], T]) -> T:
+    """`make()` on rank 0, then on the others once it is done: for steps that write shared
+    files (data synthesis, tokenizer training) which the others then only read."""
+    if world.is_main:
+        made = make()
+        parallel.barrier()
+        return made
+    parallel.barrier()
+    return make()
+
+
+def _task_sets(cfg: Config, env: Env) -> tuple[list[Task], list[Task], list[Task]]:
+    sft = env.split_tasks(cfg, "sft") if cfg.train.sft_steps else []
+    rl = env.split_tasks(cfg, "rl") if cfg.train.steps else []
+    held_out = env.split_tasks(cfg, "eval") if cfg.eval.every else []
+    if cfg.eval.tasks:
+        held_out = held_out[: cfg.eval.tasks]
+    return sft, rl, held_out
 
 
 def _tokenizer(
-    cfg: Config, env: Env, tasks: list[Task], run_dir: Path
+    cfg: Config, env: Env, tasks: list[Task], run_dir: Path, world: parallel.World
 ) -> tuple[Config, Tokenizer, Path | None]:
-    """The run's tokenizer and the config that names it: 'bpe' is trained here on the run's own
-    training text (never the held-out split's) into run_dir/tokenizer, and a randomly
-    initialised model then gets exactly that many embedding rows unless model.vocab_size says."""
+    """The run's tokenizer and the config that names it: 'bpe' is trained (by rank 0; the
+    others load it) on the run's own training text (never the held-out split's) into
+    run_dir/tokenizer, and a randomly initialised model then gets exactly that many embedding
+    rows unless model.vocab_size says."""
     if cfg.model.tokenizer != "bpe":
         tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.hf_dir)
         folder = Path(cfg.model.tokenizer or cfg.model.hf_dir)
         return cfg, tokenizer, folder if cfg.model.tokenizer != "byte" else None
-    if cfg.model.hf_dir:
-        raise ConfigError("model.tokenizer: 'bpe' trains a new vocabulary; a loaded hf_dir has one")
     folder = trained_tokenizer_dir(run_dir)
-    began = time.perf_counter()
-    tokenizer = train_bpe(env.vocabulary_texts(tasks), cfg.model.bpe_vocab_size, folder)
-    log.info(
-        "tokenizer: BPE of %d ids trained in %.1f s (%s)",
-        tokenizer.vocab_size,
-        time.perf_counter() - began,
-        folder,
-    )
+    if world.is_main:
+        began = time.perf_counter()
+        tokenizer = train_bpe(env.vocabulary_texts(tasks), cfg.model.bpe_vocab_size, folder)
+        log.info(
+            "tokenizer: BPE of %d ids trained in %.1f s (%s)",
+            tokenizer.vocab_size,
+            time.perf_counter() - began,
+            folder,
+        )
+    else:
+        tokenizer = load_tokenizer(str(folder))
     model = msgspec.structs.replace(
         cfg.model, tokenizer=str(folder), vocab_size=cfg.model.vocab_size or tokenizer.vocab_size
     )
@@ -556,12 +731,14 @@ async def _teacher_samples(
     return samples
 
 
-def _token_batches(samples: list[Sample], budget: int) -> Iterator[list[Sample]]:
-    """SFT batches of about `budget` tokens, endlessly, reshuffled every pass; each batch's
-    weights are re-normalised to the mean over its completion tokens (plain SFT NLL)."""
+def _token_batches(samples: list[Sample], budget: int, seed: int) -> Iterator[list[Sample]]:
+    """SFT batches of about `budget` tokens, endlessly, reshuffled every pass by a generator of
+    their own (so the k-th batch depends on the seed alone); each batch's weights are
+    re-normalised to the mean over its completion tokens (plain SFT NLL)."""
+    shuffle = random.Random(f"sft/{seed}").shuffle
     order = list(range(len(samples)))
     while True:
-        random.shuffle(order)
+        shuffle(order)
         batch: list[Sample] = []
         tokens = 0
         for index in order:
@@ -582,19 +759,42 @@ def _token_mean(batch: list[Sample]) -> list[Sample]:
     ]
 
 
-def _save(model: Transformer, tokenizer_dir: Path | None, out: Path) -> Path:
-    """The model as a Hugging Face checkpoint, with the tokenizer files it was trained with."""
-    save_hf(model, out)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(tokenizer_dir, out)
+def _export(
+    cfg: Config,
+    model: Transformer,
+    tokenizer: Tokenizer,
+    tokenizer_dir: Path | None,
+    out: Path,
+    world: parallel.World,
+) -> Path:
+    """The model as a Hugging Face checkpoint in `model.dtype`, with the tokenizer files it was
+    trained with: the whole state gathered from the shards, written by rank 0."""
+    state = parallel.full_state(model)
+    if world.is_main:
+        files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
+        generation = None
+        if not any(f.name == "generation_config.json" for f in files):
+            generation = {"eos_token_id": list(tokenizer.stop_ids)}
+        save_hf(
+            model,
+            out,
+            state=state,
+            dtype=_DTYPES[cfg.model.dtype],
+            generation=generation,
+            extra_files=files,
+        )
+    parallel.barrier()
     return out
 
 
-def _maybe_save(save: Callable[[Path], Path], cfg: Config, phase: str, step: int) -> None:
+def _due(cfg: Config, step: int) -> bool:
     every = cfg.checkpoint.every
-    if every and (step + 1) % every == 0:
-        out = save(Path(cfg.checkpoint.dir) / f"{phase}-step{step + 1}")
-        log.info("saved %s", out)
+    return bool(every) and (step + 1) % every == 0
+
+
+def _global_step(cfg: Config, state: checkpointing.TrainerState) -> int:
+    """Optimizer steps taken at `state` (RunLog's x axis)."""
+    return state.step if state.phase == "sft" else cfg.train.sft_steps + state.step
 
 
 # ==================================================================== helpers
@@ -614,14 +814,16 @@ def _rollout_row(scheduler: Scheduler, groups: list[RolloutGroup]) -> dict[str, 
     }
 
 
-def _batches(items: list[T], size: int) -> Iterator[list[T]]:
+def _batches(items: list[T], size: int, seed: int) -> Iterator[list[T]]:
     """`size` items per step, endlessly: a window sliding over a shuffled order (wrapping at the
-    end), reshuffled every len(items) // size steps."""
+    end), reshuffled every len(items) // size steps by a generator of its own, so the k-th
+    step's tasks depend on the seed alone (a resumed run skips k and is back in place)."""
+    shuffle = random.Random(f"rl/{seed}").shuffle
     order = list(range(len(items)))
     per_pass = max(1, len(order) // size)
     for step in itertools.count():
         if step % per_pass == 0:
-            random.shuffle(order)
+            shuffle(order)
         start = (step * size) % len(order)
         yield [items[order[(start + i) % len(order)]] for i in range(min(size, len(order)))]
 
@@ -645,3 +847,17 @@ def _millions(model: torch.nn.Module) -> float:
 
 def _stats_line(stats: msgspec.Struct) -> str:
     return ", ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(stats).items())
+
+
+@record
+def _launched_main() -> int:
+    """`python -m rlmtrain.train` and `torchrun ... -m rlmtrain.train`: the arguments of
+    `rlmtrain train`. Elastic's `record` writes a failing rank's traceback where torchrun
+    reports it; torchrun then stops the other ranks."""
+    from rlmtrain.cli import main as cli_main
+
+    return cli_main(["train", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(_launched_main())

@@ -116,3 +116,46 @@ def test_cli_show_prints_resolved_toml():
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_shipped_configs_are_valid(path):
     load_config(path)
+
+
+def test_shipped_configs_pass_the_trainers_preflight():
+    from rlmtrain.config import preflight
+
+    for config in sorted((ROOT / "configs").glob("*.toml")):
+        assert preflight(load_config(config)) == "", config.name
+
+
+# One case per cross-field rule: the overrides that break it, and the key the error must name.
+LONG_TURNS = "--rollout.max_prompt_tokens=1000"
+PREFLIGHT_CASES = [
+    (["--algo.micro_batch_tokens=1024", LONG_TURNS], "algo.micro_batch_tokens"),
+    (["--rollout.kv_cache_tokens=1000", LONG_TURNS], "rollout.kv_cache_tokens"),
+    (["--rollout.max_depth=3", "--rollout.max_live_workers=3"], "rollout.max_live_workers"),
+    (["--algo.dual_clip=1.1"], "algo.dual_clip"),
+    (["--algo.tis_cap=0.5"], "algo.tis_cap"),
+    (["--algo.updates_per_batch=2", "--algo.clip_low=0", "--algo.clip_high=0"],
+     "algo.updates_per_batch"),
+    (["--train.adam_betas=[0.9]"], "train.adam_betas"),
+    (["--train.warmup_steps=400"], "train.warmup_steps"),
+    (["--model.tokenizer=bpe", "--model.hf_dir=some/folder"], "model.tokenizer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides, key", PREFLIGHT_CASES, ids=[k for _, k in PREFLIGHT_CASES])
+def test_train_refuses_a_broken_cross_field_rule_in_one_line(tmp_path, overrides, key):
+    """Through the trainer's own entry, before any work: exit 2, one line naming the key."""
+    result = run_cli(
+        "train", "--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={tmp_path}", *overrides
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert f"key '{key}'" in lines[0]
+    assert not any(tmp_path.iterdir())  # refused before the run folder got anything
+
+
+def test_micro_batch_rule_yields_to_truncation():
+    overrides = ["--algo.micro_batch_tokens=1024", "--rollout.max_prompt_tokens=1000"]
+    load_config(
+        ROOT / "configs" / "tiny-cpu.toml", [*overrides, "--algo.truncate_long_samples=true"]
+    )

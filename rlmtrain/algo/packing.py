@@ -88,6 +88,25 @@ class MicroBatch(msgspec.Struct, kw_only=True):
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @classmethod
+    def placeholder(cls) -> MicroBatch:
+        """One token that trains nothing (IGNORE target, zero weight): what a data-parallel
+        rank with an empty micro-batch forwards so that it joins the others' collectives."""
+        zero = torch.zeros(1)
+        return cls(
+            input_ids=torch.zeros(1, dtype=torch.int64),
+            position_ids=torch.zeros(1, dtype=torch.int64),
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+            prefix_of=torch.full((1,), -1, dtype=torch.int32),
+            max_seqlen=1,
+            targets=torch.full((1,), IGNORE_INDEX, dtype=torch.int64),
+            weights=zero,
+            advantages=zero.clone(),
+            sampler_logp=zero.clone(),
+            sample_indices=np.empty(0, dtype=np.int64),
+            sample_rows=np.empty(0, dtype=np.int64),
+        )
+
     def to(self, device: torch.device | str) -> MicroBatch:
         """A copy with every tensor on `device` (cu_seqlens stays int32)."""
         tensors = {

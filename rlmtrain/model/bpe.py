@@ -28,6 +28,7 @@ __all__ = [
     "BPE_FILES",
     "CHATML_TEMPLATE",
     "copy_tokenizer_files",
+    "tokenizer_files",
     "train_bpe",
     "trained_tokenizer_dir",
 ]
@@ -94,11 +95,16 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> HFT
     return HFTokenizer.from_dir(out)
 
 
+def tokenizer_files(src_dir: str | Path) -> list[Path]:
+    """A tokenizer folder's files that a checkpoint carries (those present of `BPE_FILES` and a
+    chat template), so the checkpoint loads with the ids it was trained on."""
+    src = Path(src_dir)
+    return [src / name for name in (*BPE_FILES, "chat_template.jinja") if (src / name).is_file()]
+
+
 def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> None:
-    """Copy a tokenizer folder's files (those present of `BPE_FILES` and a chat template) into a
-    checkpoint folder, so the checkpoint loads with the ids it was trained on."""
-    src, dst = Path(src_dir), Path(dst_dir)
+    """Copy `tokenizer_files(src_dir)` into a checkpoint folder."""
+    dst = Path(dst_dir)
     dst.mkdir(parents=True, exist_ok=True)
-    for name in (*BPE_FILES, "chat_template.jinja"):
-        if (src / name).is_file():
-            shutil.copyfile(src / name, dst / name)
+    for file in tokenizer_files(src_dir):
+        shutil.copyfile(file, dst / file.name)

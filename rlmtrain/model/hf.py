@@ -19,7 +19,9 @@ running engine.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+import os
+import shutil
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ __all__ = [
     "CheckpointError",
     "args_from_hf_config",
     "hf_config",
+    "hf_named",
     "load_hf",
     "load_hf_tensors",
     "named_hf_tensors",
@@ -70,6 +73,12 @@ def named_hf_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, detached parameter) for every parameter, embedding first."""
     for name, param in model.named_parameters():
         yield _hf_name(name), param.detach()
+
+
+def hf_named(state: Mapping[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """(Hugging Face name, tensor) for a state dict in our parameter names."""
+    for name, tensor in state.items():
+        yield _hf_name(name), tensor.detach()
 
 
 def load_hf_tensors(
@@ -273,16 +282,37 @@ def _read_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
 
 
 def save_hf(
-    model: Transformer, directory: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    model: Transformer,
+    directory: str | Path,
+    *,
+    state: Mapping[str, Tensor] | None = None,
+    dtype: torch.dtype | None = None,
+    generation: Mapping[str, Any] | None = None,
+    extra_files: Iterable[Path] = (),
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
-    """Write config.json and the weights (sharded with an index above `max_shard_bytes`)."""
+    """Write config.json and the weights (sharded with an index above `max_shard_bytes`) of
+    `model`, or of `state` (our parameter names -> whole tensors, e.g. gathered from shards)
+    with `model`'s architecture, cast to `dtype` when given; `generation` becomes
+    generation_config.json and `extra_files` (the tokenizer's) are copied in. The folder
+    appears whole or not at all: written beside its place, then renamed into it."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = [(name, t.contiguous().cpu()) for name, t in named_hf_tensors(model)]
-    dtype = tensors[0][1].dtype
-    (directory / "config.json").write_text(
-        json.dumps(hf_config(model.args, dtype), indent=2) + "\n"
-    )
+    named = state.items() if state is not None else model.named_parameters()
+    tensors = [
+        (_hf_name(name), t.detach().to(dtype or t.dtype).contiguous().cpu()) for name, t in named
+    ]
+    stored = tensors[0][1].dtype
+    partial = directory.with_name(f".{directory.name}.partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text(json.dumps(hf_config(model.args, stored), indent=2) + "\n")
+    if generation is not None:
+        (partial / "generation_config.json").write_text(
+            json.dumps(dict(generation), indent=2) + "\n"
+        )
+    for file in extra_files:
+        shutil.copy2(file, partial / Path(file).name)
     shards: list[list[tuple[str, Tensor]]] = [[]]
     shard_bytes = 0
     for name, tensor in tensors:
@@ -292,21 +322,29 @@ def save_hf(
             shard_bytes = 0
         shards[-1].append((name, tensor))
         shard_bytes += size
-    for stale in (
-        directory / SINGLE_FILE,
-        directory / INDEX_FILE,
-        *directory.glob("model-*-of-*.safetensors"),
-    ):
-        stale.unlink(missing_ok=True)
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     if len(shards) == 1:
-        save_file(dict(shards[0]), str(directory / SINGLE_FILE), metadata=metadata)
+        save_file(dict(shards[0]), str(partial / SINGLE_FILE), metadata=metadata)
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards, start=1):
+            filename = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+            save_file(dict(shard), str(partial / filename), metadata=metadata)
+            weight_map.update({name: filename for name, _ in shard})
+        total = sum(t.numel() * t.element_size() for _, t in tensors)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (partial / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    _replace_folder(partial, directory)
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    """Move the finished folder `new` into `target`'s place, retiring what was there."""
+    if not target.is_dir():
+        os.replace(new, target)
         return
-    weight_map = {}
-    for k, shard in enumerate(shards, start=1):
-        filename = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(dict(shard), str(directory / filename), metadata=metadata)
-        weight_map.update({name: filename for name, _ in shard})
-    total = sum(t.numel() * t.element_size() for _, t in tensors)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    retired = target.with_name(f".{target.name}.old")
+    if retired.exists():
+        shutil.rmtree(retired)
+    os.replace(target, retired)
+    os.replace(new, target)
+    shutil.rmtree(retired)

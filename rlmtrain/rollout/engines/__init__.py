@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from rlmtrain.devices import HAS_VLLM, BackendUnavailable, resolve_device
 
 if TYPE_CHECKING:
+    import torch
+
     from rlmtrain.config import Config
     from rlmtrain.model.tokenizer import Tokenizer
     from rlmtrain.rollout.engine import Engine
@@ -18,20 +20,22 @@ if TYPE_CHECKING:
 __all__ = ["build_engine"]
 
 
-def build_engine(config: Config, tokenizer: Tokenizer) -> Engine:
+def build_engine(
+    config: Config, tokenizer: Tokenizer, *, device: torch.device | None = None
+) -> Engine:
     """The engine `config.rollout.engine` names, serving `config.model`.
 
     native: the model built from `config.model` (random init from its preset unless hf_dir is
-    set) on `config.train.device`, with prefix caching (NativeEngine's default); vllm:
-    `config.model.hf_dir` served by vLLM in this process; sim: pseudo-random tokens at no
-    modelled cost (a smoke test of the scheduler).
+    set) on `device` (default `config.train.device`; a data-parallel rank passes its own), with
+    prefix caching (NativeEngine's default); vllm: `config.model.hf_dir` served by vLLM in this
+    process; sim: pseudo-random tokens at no modelled cost (a smoke test of the scheduler).
     """
     rollout = config.rollout
     if rollout.engine == "native":
         from rlmtrain.model import build_model
         from rlmtrain.rollout.engines.native import NativeEngine
 
-        model = build_model(config.model).to(resolve_device(config.train.device))
+        model = build_model(config.model).to(device or resolve_device(config.train.device))
         return NativeEngine(
             model,
             max_batch_size=rollout.max_batch_size,

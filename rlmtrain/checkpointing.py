@@ -1,0 +1,231 @@
+"""Resumable checkpoints: what a killed run needs to go on exactly where it stopped.
+
+A checkpoint is a folder `<checkpoint.dir>/checkpoints/<phase>-<step>` holding
+
+- `state/`: the model's and the optimizer's sharded state, written and read by every rank
+  through `torch.distributed.checkpoint` (`get_state_dict` / `set_state_dict`), so a run of N
+  ranks writes N shards and never gathers the whole model on one;
+- `trainer.json`: the phase, the steps of it taken, the LR in force, the run's seed and world
+  size (the data cursors and the exploration schedule are functions of the phase and step);
+- `rng-<rank>.pkl`: every rank's python, numpy and torch (and CUDA) generator states;
+- `COMPLETE`: written last, a manifest of every other file's size.
+
+It is written into a hidden temporary folder and renamed into place only once complete, so a
+kill at any moment leaves either the whole checkpoint or none (the temporary folder is ignored
+and swept by the next save). The newest `checkpoint.keep` are kept. Resuming takes the newest;
+one that is incomplete or whose files do not match the manifest is refused with one line
+naming it, never skipped for an older one: which step a run resumes from is the user's call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from rlmtrain import parallel
+from rlmtrain.model.hf import CheckpointError
+
+__all__ = ["TrainerState", "check", "latest", "load", "load_frozen", "save"]
+
+COMPLETE = "COMPLETE"
+_NAME = re.compile(r"^(sft|rl)-(\d{6})$")
+_PHASES = ("sft", "rl")
+
+
+class TrainerState(msgspec.Struct, kw_only=True):
+    phase: str
+    """"sft" or "rl": the phase the next step belongs to."""
+    step: int
+    """Steps of `phase` already taken (the next step's 0-based index)."""
+    lr: float
+    seed: int
+    world_size: int
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save(
+    run_dir: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    *,
+    keep: int,
+    frozen: dict[str, torch.nn.Module] | None = None,
+) -> Path:
+    """Write one checkpoint (all ranks call this together); its final path. `frozen`: models
+    that are not trained but must come back too (the KL reference), by name."""
+    root = checkpoints_dir(run_dir)
+    name = f"{state.phase}-{state.step:06d}"
+    final = root / name
+    temporary = root / f".{name}.partial"
+    world = dist.get_world_size()
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+        temporary.mkdir()
+    parallel.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    everything = {"model": model_state, "optim": optim_state}
+    everything.update({name: get_model_state_dict(m) for name, m in (frozen or {}).items()})
+    dcp.save(everything, checkpoint_id=str(temporary / "state"))
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    _write_atomically(temporary / f"rng-{dist.get_rank()}.pkl", pickle.dumps(rng))
+    parallel.barrier()
+    if dist.get_rank() == 0:
+        _write_atomically(temporary / "trainer.json", msgspec.json.encode(state))
+        manifest = {
+            str(path.relative_to(temporary)): path.stat().st_size
+            for path in sorted(temporary.rglob("*"))
+            if path.is_file()
+        }
+        if len([p for p in manifest if p.startswith("rng-")]) != world:
+            raise CheckpointError(f"{temporary}: not every rank wrote its generator states")
+        _write_atomically(temporary / COMPLETE, json.dumps(manifest, indent=1).encode())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(temporary, final)
+        _fsync_dir(root)
+        for old in _complete_names(root)[:-keep]:
+            shutil.rmtree(root / old, ignore_errors=True)
+    parallel.barrier()
+    return final
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest checkpoint folder in the run, None when there is none; the newest one
+    incomplete or damaged is a CheckpointError naming it."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return None
+    names = [p.name for p in root.iterdir() if _NAME.match(p.name)]
+    if not names:
+        return None
+    newest = root / max(names, key=_order)
+    check(newest)
+    return newest
+
+
+def check(path: Path) -> None:
+    """Refuse a checkpoint folder that is not whole: no completion mark, or a file missing or
+    of another size than the manifest says."""
+    mark = path / COMPLETE
+    if not mark.is_file():
+        raise CheckpointError(
+            f"{path}: incomplete checkpoint (no {COMPLETE} mark); remove it to resume from an "
+            "older one"
+        )
+    try:
+        manifest = json.loads(mark.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: unreadable {COMPLETE} manifest") from None
+    for name, size in manifest.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: damaged checkpoint: {name} is missing")
+        if file.stat().st_size != size:
+            raise CheckpointError(
+                f"{path}: damaged checkpoint: {name} has {file.stat().st_size} bytes, "
+                f"the manifest says {size}"
+            )
+
+
+def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Restore model, optimizer and this rank's generators from `path` (all ranks together);
+    the trainer state to continue from."""
+    check(path)
+    try:
+        state = msgspec.json.decode((path / "trainer.json").read_bytes(), type=TrainerState)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"{path}/trainer.json: {exc}") from None
+    if state.world_size != dist.get_world_size():
+        raise CheckpointError(
+            f"{path}: written by {state.world_size} ranks, resumed on {dist.get_world_size()}; "
+            "resume with the same number of ranks"
+        )
+    model_state, optim_state = get_state_dict(model, optimizer)
+    wanted = {"model": model_state, "optim": optim_state}
+    _read(path, wanted)
+    set_state_dict(
+        model, optimizer, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"]
+    )
+    try:
+        rng: dict[str, Any] = pickle.loads((path / f"rng-{dist.get_rank()}.pkl").read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError) as exc:
+        raise CheckpointError(f"{path}: unreadable generator states: {exc}") from None
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state
+
+
+def load_frozen(path: Path, name: str, module: torch.nn.Module) -> None:
+    """Restore the frozen model saved as `name` (see `save`) into `module`."""
+    wanted = {name: get_model_state_dict(module)}
+    _read(path, wanted)
+    set_model_state_dict(module, wanted[name])
+
+
+def _read(path: Path, wanted: dict[str, Any]) -> None:
+    try:
+        dcp.load(wanted, checkpoint_id=str(path / "state"))
+    except Exception as exc:  # noqa: BLE001 - any reader failure means a damaged checkpoint
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise CheckpointError(f"{path}: unreadable model/optimizer state: {first}") from None
+
+
+def _complete_names(root: Path) -> list[str]:
+    names = [p.name for p in root.iterdir() if _NAME.match(p.name) and (p / COMPLETE).is_file()]
+    return sorted(names, key=_order)
+
+
+def _order(name: str) -> tuple[int, int]:
+    match = _NAME.match(name)
+    assert match is not None
+    return _PHASES.index(match.group(1)), int(match.group(2))
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    partial = path.with_name(path.name + ".tmp")
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

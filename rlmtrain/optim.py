@@ -1,0 +1,60 @@
+"""The optimizer and its learning-rate schedule, from `[train]`.
+
+AdamW over the fp32 master weights (`train.adam_betas`, `adam_eps`, `adam_fused`,
+`weight_decay`). The LR is a pure function of the phase and the step (`lr_at`), so a resumed run
+needs only the step to be back on schedule; the value in force is still written into every
+checkpoint and metrics row. Each phase (SFT at `train.sft_lr`, RL at `train.lr`) has its own
+schedule over its own steps: `warmup_steps` of linear warm-up from peak / (warmup + 1), then the
+peak held ("constant") or decayed to `min_lr_ratio` x peak at the phase's last step ("linear",
+"cosine").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlmtrain.config import Config
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
+    train = cfg.train
+    beta1, beta2 = train.adam_betas
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=phase_peak_lr(cfg, "sft" if train.sft_steps else "rl"),
+        betas=(beta1, beta2),
+        eps=train.adam_eps,
+        weight_decay=train.weight_decay,
+        fused=train.adam_fused,
+    )
+
+
+def phase_peak_lr(cfg: Config, phase: str) -> float:
+    if phase == "sft":
+        return cfg.train.sft_lr or cfg.train.lr
+    return cfg.train.lr
+
+
+def lr_at(cfg: Config, phase: str, step: int) -> float:
+    """The LR of 0-based `step` of `phase` ("sft" | "rl")."""
+    train = cfg.train
+    peak = phase_peak_lr(cfg, phase)
+    steps = train.sft_steps if phase == "sft" else train.steps
+    warmup = train.warmup_steps
+    if step < warmup:
+        return peak * (step + 1) / (warmup + 1)
+    if train.lr_schedule == "constant":
+        return peak
+    span = max(1, steps - 1 - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    floor = train.min_lr_ratio * peak
+    if train.lr_schedule == "linear":
+        return peak - (peak - floor) * progress
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,157 @@
+"""The data-parallel world of a training run: one process, or the ranks torchrun starts.
+
+Every run has a process group, so one code path trains at any size: under torchrun it comes from
+the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); alone it is a group
+of one over an in-memory store. Gloo on CPU, NCCL on CUDA with one device per local rank.
+
+The policy is sharded with FSDP2 (`shard`): one unit per decoder block and the root unit holding
+the embedding, the final norm and the LM head. Parameters and optimizer state stay fp32 (the
+master weights); a bf16 `compute_dtype` is FSDP2's mixed-precision policy, which all-gathers
+bf16 copies for the forward and backward and reduces gradients in fp32. Gradients are summed
+over ranks, not averaged: every token weight already divides by the global batch (SPEC.md §4),
+so a rank's loss is its share of one objective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from rlmtrain.devices import resolve_device
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched() -> bool:
+    """True under torchrun (or any launcher that sets the process-group environment)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def start(device_choice: str, *, timeout_s: float = 1800.0) -> tuple[World, torch.device]:
+    """Join (or, alone, make) the run's process group; the world and this rank's device."""
+    world = World(
+        rank=int(os.environ.get("RANK", 0)),
+        size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+    )
+    device = resolve_device(device_choice)
+    if device.type == "cuda":
+        device = torch.device("cuda", world.local_rank if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already running in this process")
+    if launched():
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return world, device
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype) -> Any:
+    """FSDP2 over the world: each decoder block a unit, the root (embedding, final norm, LM
+    head) the last; fp32 master weights, `compute_dtype` for the forward and backward."""
+    model.to(device=device, dtype=torch.float32)
+    mesh = init_device_mesh(device.type, (size(),))
+    policy = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+        reduce_dtype=torch.float32,
+    )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            # Summed, not averaged; plain SUM collectives, which gloo has (it lacks PREMUL_SUM).
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on every rank (a collective: all ranks call it together)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+# The collectives below are the identity in a world of one, with or without a process group,
+# so the training steps also run on a plain module outside any run (as the tests drive them).
+
+
+def size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """`values` summed over the ranks, in place (sum in the tensor's dtype; float64 keeps
+    counts exact)."""
+    if size() > 1:
+        moved = values.to(_comm_device())
+        dist.all_reduce(moved)
+        values.copy_(moved)
+    return values
+
+
+def all_max(values: torch.Tensor) -> torch.Tensor:
+    """`values`' elementwise maximum over the ranks, in place."""
+    if size() > 1:
+        moved = values.to(_comm_device())
+        dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+        values.copy_(moved)
+    return values
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (pickled; for samples and small records)."""
+    if size() == 1:
+        return [obj]
+    out: list[Any] = [None] * size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if size() > 1:
+        dist.barrier()
+
+
+def _comm_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,35 @@
+"""`python -m rlmtrain.train` with every REPL exec delayed by a random few milliseconds, drawn
+from a generator of its own seeded by RLMTRAIN_TEST_JITTER_SEED: asynchronous requests then
+reach the engine in another order and other company than in an unperturbed run, which is what
+the determinism tests need (`tests/test_resume.py`). Runs under torchrun too.
+
+    python tests/perturbed_train.py --config ... [--section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+
+from rlmtrain.rlm import repl
+
+
+def _jittered(exec_, draw):
+    async def exec_with_delay(self, code, on_query=None):
+        await asyncio.sleep(draw.uniform(0.0, 0.03))
+        result = await exec_(self, code, on_query)
+        await asyncio.sleep(draw.uniform(0.0, 0.03))
+        return result
+
+    return exec_with_delay
+
+
+if __name__ == "__main__":
+    seed = int(os.environ.get("RLMTRAIN_TEST_JITTER_SEED", "1"))
+    draw = random.Random(seed * 7919 + int(os.environ.get("RANK", "0")))
+    repl.Session.exec = _jittered(repl.Session.exec, draw)
+    from rlmtrain.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))

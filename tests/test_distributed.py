@@ -1,0 +1,165 @@
+"""Training on several ranks, for real: torchrun, gloo, FSDP2 over two CPU processes.
+
+- the trainer's GRPO step on fixed rollouts gives the same master weights on two FSDP2 ranks
+  (holding unequal numbers of samples) as in one process, with and without activation
+  checkpointing and a sharded KL reference (`tests/distributed_steps.py` does the steps);
+- bf16 compute keeps fp32 master weights, which a 1e-6 learning rate still moves;
+- the Hugging Face export, gathered from the shards, loads in transformers with our logits;
+- `torchrun --nproc_per_node 2 -m rlmtrain.train` and `python -m rlmtrain.train` run the
+  shortened default to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ROOT / "tests" / "distributed_steps.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+
+def _env() -> dict[str, str]:
+    # Each rank gets one thread, as torchrun would give it; the machine has two cores.
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _steps(out: Path, *args: str, ranks: int = 1) -> dict:
+    launch = [*TORCHRUN, "--master_port", str(29500 + os.getpid() % 1000)] if ranks > 1 else []
+    command = [*(launch or [sys.executable]), str(STEPS), str(out), *args]
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env()
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _max_diff(a: Path, b: Path) -> float:
+    left, right = torch.load(a), torch.load(b)
+    assert left.keys() == right.keys()
+    return max((left[k] - right[k]).abs().max().item() for k in left)
+
+
+# Adam divides each gradient by its own running scale, so where a gradient is as small as eps a
+# difference in its last bits (the two runs sum the micro-batches in another order) moves the
+# weight by a fraction of the LR. eps = 1e-6 keeps that below the comparison's 1e-5.
+COMMON = ("--steps", "3", "--lr", "1e-4", "--adam-eps", "1e-6")
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [(), ("--activation-checkpointing", "--kl-beta", "0.05")],
+    ids=["plain", "checkpointing+kl"],
+)
+def test_two_fsdp2_ranks_compute_the_update_of_one_process(tmp_path, variant):
+    kl = tuple(a for a in variant if a != "--activation-checkpointing")
+    alone = _steps(tmp_path / "one.pt", *COMMON, *kl)
+    pair = _steps(tmp_path / "two.pt", *COMMON, *variant, ranks=2)
+    assert alone["samples_per_rank"] == [9]
+    assert sorted(pair["samples_per_rank"]) == [4, 5]  # unequal shares of the batch
+    assert pair["losses"] == pytest.approx(alone["losses"], abs=1e-6)
+    assert pair["dtypes"] == ["torch.float32"]
+    assert _max_diff(tmp_path / "one.pt", tmp_path / "two.pt") <= 1e-5
+    assert alone["changed_fraction"] > 0.99  # the steps did move the weights
+
+
+def test_bf16_compute_moves_every_fp32_master_weight(tmp_path):
+    """At lr 1e-6, bf16 weights would round most updates away (a bf16 ulp near 0.02 is 1.2e-4);
+    the fp32 masters take them."""
+    summary = _steps(tmp_path / "bf16.pt", "--steps", "10", "--lr", "1e-6", "--dtype", "bfloat16")
+    assert summary["dtypes"] == ["torch.float32"]
+    assert summary["changed_fraction"] >= 0.99
+
+
+def test_bf16_export_of_sharded_masters_loads_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import msgspec
+
+    from rlmtrain import parallel, train
+    from rlmtrain.config import Config, ModelConfig
+    from rlmtrain.model import build_model, load_hf
+    from rlmtrain.model.tokenizer import load_tokenizer
+
+    cfg = Config()
+    cfg = msgspec.structs.replace(
+        cfg, model=ModelConfig(preset="tiny", vocab_size=300, dtype="bfloat16", seed=3)
+    )
+    world, device = parallel.start("cpu")
+    try:
+        model = parallel.shard(build_model(ModelConfig(preset="tiny", vocab_size=300, seed=3)),
+                               device, torch.bfloat16)  # fmt: skip
+        tokenizer = load_tokenizer("byte")
+        out = train._export(cfg, model, tokenizer, None, tmp_path / "final", world)
+    finally:
+        parallel.stop()
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == list(tokenizer.stop_ids)
+    assert not list(tmp_path.glob(".*partial"))
+
+    ours = load_hf(out, dtype=torch.bfloat16, attention="sdpa").eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = ours(ids[0], torch.arange(40), torch.tensor([0, 40]))
+        logits = (hidden @ ours.lm_head_weight.T).float()
+        reference = theirs(ids).logits[0].float()
+    assert theirs.dtype == torch.bfloat16
+    # Both in bf16 from the same bf16 weights; their kernels round differently in the last bit.
+    assert (logits - reference).abs().max().item() <= 0.05 * reference.abs().max().item()
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.95
+
+
+SHORT = (
+    "--config",
+    "configs/tiny-cpu.toml",
+    "--data.sft_groups=3",
+    "--data.synth_groups=2",
+    "--data.eval_groups=1",
+    "--train.sft_steps=4",
+    "--train.steps=2",
+    "--train.tasks_per_step=2",
+    "--rollout.n_samples=2",
+    "--rollout.max_new_tokens=48",
+    "--eval.every=1",
+    "--eval.tasks=1",
+    "--logging.progress=false",
+    "--checkpoint.every=2",
+)
+
+
+@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def test_launched_training_runs_to_the_end(tmp_path, launch):
+    port = str(29600 + os.getpid() % 1000)
+    head = [sys.executable] if launch == "python" else [*TORCHRUN, "--master_port", port]
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [*head, "-m", "rlmtrain.train", *SHORT, f"--checkpoint.dir={run_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = 1 if launch == "python" else 2
+    assert f"on {ranks} x cpu" in result.stderr
+    phases = [json.loads(line)["phase"] for line in (run_dir / "eval.jsonl").open()]
+    assert phases == ["init", "sft", "rl", "final"]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [(r["phase"], r["step"]) for r in steps] == [
+        *(("sft", k) for k in range(4)),
+        *(("rl", k) for k in range(2)),
+    ]
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    newest = run_dir / "checkpoints" / "rl-000002"
+    assert sorted(p.name for p in newest.glob("rng-*.pkl")) == [
+        f"rng-{r}.pkl" for r in range(ranks)
+    ]

@@ -1,0 +1,192 @@
+"""Killed and resumed, a run goes on exactly as if it had never stopped.
+
+At one rank and at two, on the shortened default (SFT then RL):
+
+- an uninterrupted run A checkpoints every step;
+- run B, with every REPL exec delayed at random (`tests/perturbed_train.py`: requests reach the
+  engine in another order and company), is SIGKILLed as a whole job during SFT step 3 and
+  resumed with `checkpoint.resume=true`;
+- at the end of SFT and at the end of RL the two agree bitwise: parameters, optimizer state,
+  LR, step and the per-step curve. Every SFT step here is one whole pass over the teacher's
+  samples (`train.sft_step_tokens` above their total), so the resume lands on a data-pass
+  boundary, where it must go on training.
+
+The RL steps of so short a run score nothing (uniform groups, no update), so they check the
+rollouts' determinism and the data cursor, not GRPO updates; those are covered by the SFT
+steps' updates and `tests/test_distributed.py`. The runs turn truncated importance sampling off
+(`algo.tis_cap=0`): the native engine's log-probs differ in their last bits with the company a
+request is batched in, and TIS would carry that into the loss. Sampled tokens do not depend on
+it (each request's seed is its place in the tree), and with TIS off nothing else does.
+
+A checkpoint cut short or missing its completion mark is refused with one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+ROOT = Path(__file__).resolve().parents[1]
+PERTURBED = ROOT / "tests" / "perturbed_train.py"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _launch(ranks: int, perturbed: bool) -> list[str]:
+    entry = [str(PERTURBED)] if perturbed else ["-m", "rlmtrain.train"]
+    if ranks == 1:
+        return [sys.executable, *entry]
+    port = str(29700 + (os.getpid() + 10 * ranks + perturbed) % 1000)
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+        "--master_port", port, *entry,
+    ]  # fmt: skip
+
+
+def _args(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={run_dir}",
+        "--data.sft_groups=3", "--data.synth_groups=2", "--data.eval_groups=1",
+        "--train.sft_steps=6", "--train.sft_step_tokens=1000000", "--train.steps=3",
+        "--train.tasks_per_step=2", "--rollout.n_samples=4", "--rollout.max_new_tokens=48",
+        "--algo.tis_cap=0", "--eval.every=0", "--logging.progress=false",
+        "--logging.tensorboard=false", "--checkpoint.every=1", "--checkpoint.keep=20", *extra,
+    ]  # fmt: skip
+
+
+def _kill_job(pid: int) -> None:
+    """SIGKILL the launcher and everything under it at once, as a node failure does: torchrun
+    starts each rank in a session of its own, so a process-group kill would miss them."""
+    tree, frontier = [pid], [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            continue
+        tree += map(int, children)
+        frontier += map(int, children)
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
+
+
+def _state(checkpoint: Path, scratch: Path) -> dict:
+    out = scratch / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint / "state", out)
+    return torch.load(out, weights_only=False)
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flat(value, f"{prefix}/{key}")
+    elif isinstance(tree, list | tuple):
+        for i, value in enumerate(tree):
+            yield from _flat(value, f"{prefix}/{i}")
+    else:
+        yield prefix, tree
+
+
+def _assert_bitwise_equal(a: dict, b: dict) -> None:
+    left, right = dict(_flat(a)), dict(_flat(b))
+    assert left.keys() == right.keys()
+    for key, value in left.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, right[key]), key
+        else:
+            assert value == right[key], key
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_killed_run_resumes_bitwise(tmp_path, ranks):
+    uninterrupted, resumed = tmp_path / "a", tmp_path / "b"
+    a = subprocess.run(
+        [*_launch(ranks, False), *_args(uninterrupted)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env(),
+    )  # fmt: skip
+    assert a.returncode == 0, a.stderr[-3000:]
+    curve = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").open()]
+
+    job = subprocess.Popen(
+        [*_launch(ranks, True), *_args(resumed)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(),
+        start_new_session=True,
+    )  # fmt: skip
+    mark = resumed / "checkpoints" / "sft-000003" / "COMPLETE"
+    deadline = time.monotonic() + 600
+    while not mark.exists():
+        assert job.poll() is None, job.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    _kill_job(job.pid)
+    job.wait()
+    job.stderr.close()
+    assert not (resumed / "checkpoints" / "sft-000005").exists()
+
+    b = subprocess.run(
+        [*_launch(ranks, True), *_args(resumed, "--checkpoint.resume=true")],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env(),
+    )  # fmt: skip
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert "resumed from" in b.stderr and "sft-000003" in b.stderr
+
+    for name in ("sft-000005", "sft-000006", "rl-000003"):
+        left = uninterrupted / "checkpoints" / name
+        right = resumed / "checkpoints" / name
+        assert json.loads((left / "trainer.json").read_text()) == json.loads(
+            (right / "trainer.json").read_text()
+        )
+        _assert_bitwise_equal(_state(left, tmp_path), _state(right, tmp_path))
+    # The resumed run's curve is the uninterrupted one: each step once, the same numbers.
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").open()]
+    keys = ("phase", "step", "loss", "lr", "reward_mean", "generated_tokens")
+    assert [[r.get(k) for k in keys] for r in rows] == [[r.get(k) for k in keys] for r in curve]
+
+
+def _one_checkpoint(tmp_path: Path) -> Path:
+    """A run folder holding real checkpoints (a 1-step SFT run), one of which is damaged."""
+    run = tmp_path / "run"
+    args = _args(run, "--train.sft_steps=1", "--train.steps=0")
+    result = subprocess.run(
+        [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+@pytest.mark.parametrize("damage", ["truncated", "unmarked"])
+def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, damage):
+    run = _one_checkpoint(tmp_path)
+    checkpoint = run / "checkpoints" / "sft-000001"
+    if damage == "truncated":
+        victim = max((p for p in (checkpoint / "state").iterdir()), key=lambda p: p.stat().st_size)
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    else:
+        (checkpoint / "COMPLETE").unlink()
+    before = {p.name for p in (run / "checkpoints").iterdir()}
+    result = subprocess.run(
+        [*_launch(1, False), *_args(run, "--checkpoint.resume=true")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert str(checkpoint) in lines[0]
+    assert ("damaged" if damage == "truncated" else "incomplete") in lines[0]
+    assert {p.name for p in (run / "checkpoints").iterdir()} == before  # nothing removed
+    shutil.rmtree(run)
