@@ -803,6 +803,8 @@ def _global_step(cfg: Config, state: checkpointing.TrainerState) -> int:
 def _rollout_row(scheduler: Scheduler, groups: list[RolloutGroup]) -> dict[str, Any]:
     m = scheduler.metrics
     roots = [root for group in groups for root in group.roots]
+    if m is None:  # this rank drew no task this step (fewer tasks than ranks)
+        return {"rollout_s": 0.0, "generated_tokens": 0, "finish_reasons": {}, "spawn_rate": 0.0}
     return {
         "rollout_s": m.wall_s,
         "generated_tokens": m.generated_tokens,
