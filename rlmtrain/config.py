@@ -187,7 +187,9 @@ class AlgoConfig(_Section):
     child_averaging: Annotated[
         bool, _doc("average children's losses by 1/k (the method); false = flat variant")
     ] = True
-    micro_batch_tokens: Annotated[int, _doc("token budget of one packed micro-batch", ge=16)] = 16384
+    micro_batch_tokens: Annotated[int, _doc("token budget of one packed micro-batch", ge=16)] = (
+        16384
+    )
     truncate_long_samples: Annotated[
         bool, _doc("truncate a sample longer than the budget instead of failing")
     ] = False
