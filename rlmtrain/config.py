@@ -160,6 +160,16 @@ class RolloutConfig(_Section):
         65536
     )
 
+    def too_few_workers(self) -> str:
+        """Why `max_live_workers` cannot run a tree of `max_depth`, or "" when it can: each
+        level of a tree holds its REPL worker while it waits on its child."""
+        if self.max_live_workers >= self.max_depth + 1:
+            return ""
+        return (
+            f"rollout.max_live_workers={self.max_live_workers} must be at least max_depth + 1 = "
+            f"{self.max_depth + 1}: one worker per REPL level of a tree"
+        )
+
 
 class AlgoConfig(_Section):
     clip_low: Annotated[float, _doc("PPO clip below 1 (ratio >= 1 - clip_low)", ge=0, lt=1)] = 0.2
@@ -378,12 +388,7 @@ def preflight(config: Config) -> str:
             f"{rollout.kv_cache_tokens} cannot hold one turn of rollout.max_prompt_tokens + "
             f"rollout.max_new_tokens = {longest_turn} tokens",
         ),
-        (
-            "rollout.max_live_workers",
-            rollout.max_live_workers >= rollout.max_depth + 1,
-            f"{rollout.max_live_workers} cannot hold one chain of rollout.max_depth + 1 = "
-            f"{rollout.max_depth + 1} trajectories, each waiting on its child",
-        ),
+        ("rollout.max_live_workers", not rollout.too_few_workers(), rollout.too_few_workers()),
         (
             "algo.dual_clip",
             algo.dual_clip == 0 or algo.dual_clip > 1 + algo.clip_high,

@@ -105,24 +105,28 @@ class RunLog:
             total = cfg.train.sft_steps + cfg.train.steps
             self._bar = tqdm(total=total, unit="step", file=sys.stderr, dynamic_ncols=True)
 
-    def rewind(self, position: int | None) -> None:
-        """Line the run's files up with where training goes on: None (a fresh run) empties
-        metrics, evaluations and samples left in the folder by an earlier run; a global step
-        (a resumed run) keeps what was recorded up to it, drops what came after (the steps
-        about to be redone) and takes the kept rows back into the curves and the summary."""
+    def start_fresh(self) -> None:
+        """Empty the metrics, evaluations and samples an earlier run left in the folder."""
+        self._keep_until(None)
+
+    def resume_after(self, phase: str, steps_taken: int) -> None:
+        """Line the files up with a run resumed after `steps_taken` steps of `phase`: what was
+        recorded up to there is kept and taken back into the curves and the summary; what came
+        after (the steps about to be redone) is dropped."""
+        offset = 0 if phase == "sft" else self._cfg.train.sft_steps
+        self._keep_until(offset + steps_taken)
+
+    def _keep_until(self, position: int | None) -> None:
         if not self._on:
             return
+        kept = {}
         for file in (self._metrics, self._eval_file, self._samples_file):
-            kept = [] if position is None else [r for r in file.read() if self._at(r) <= position]
-            file.rewrite(kept)
-        for row in self._metrics.read():
-            at = self._at(row)
-            self._position = max(self._position, at)
-            if row.get("phase") == "sft" and isinstance(row.get("loss"), int | float):
-                self._sft_loss.append((at, float(row["loss"])))
-            if row.get("phase") == "rl" and "reward_mean" in row:
-                self._rl_reward.append((at, _float(row["reward_mean"])))
-        for report in self._eval_file.read():
+            rows = [] if position is None else [r for r in file.read() if self._at(r) <= position]
+            file.rewrite(rows)
+            kept[file] = rows
+        for row in kept[self._metrics]:
+            self._remember_step(row, self._at(row), _scalars(row, prefix=row.get("phase")))
+        for report in kept[self._eval_file]:
             at = int(report.pop("global_step", 0) or 0)
             self._evals.append((at, report))
         if self._bar is not None:
@@ -145,18 +149,23 @@ class RunLog:
             return
         phase, step = row.get("phase"), row.get("step")
         position = self._global_step(phase, step)
-        self._position = max(self._position, position)
         self._metrics.write(row)
         scalars = _scalars(row, prefix=phase)
         self._scalars_out(scalars, position)
-        if phase == "sft" and "sft/loss" in scalars:
-            self._sft_loss.append((position, scalars["sft/loss"]))
-        if phase == "rl" and "reward_mean" in row:
-            self._rl_reward.append((position, float(row["reward_mean"])))
+        self._remember_step(row, position, scalars)
         if self._bar is not None:
             self._bar.set_description(phase, refresh=False)
             self._bar.set_postfix_str(_bar_postfix(row), refresh=False)
             self._bar.update(max(0, position - self._bar.n))
+
+    def _remember_step(self, row: dict[str, Any], position: int, scalars: dict[str, float]) -> None:
+        """A step's place in the curves the plot and the summary draw."""
+        self._position = max(self._position, position)
+        phase = row.get("phase")
+        if phase == "sft" and "sft/loss" in scalars:
+            self._sft_loss.append((position, scalars["sft/loss"]))
+        if phase == "rl" and "reward_mean" in row:
+            self._rl_reward.append((position, _float(row["reward_mean"])))
 
     def histograms(self, phase: str, step: int, **values: Sequence[float] | torch.Tensor) -> None:
         """TensorBoard (and W&B) histograms "<phase>/<name>" at the step's global step, e.g.

@@ -159,7 +159,10 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
     # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
     engine = build_engine(cfg, tokenizer, device=device)
     runlog = RunLog(cfg, run_dir, rank0=world.is_main)
-    runlog.rewind(_global_step(cfg, state) if resume_from is not None else None)
+    if resume_from is None:
+        runlog.start_fresh()
+    else:
+        runlog.resume_after(state.phase, state.step)
     sync = _EngineSync(engine, model)
 
     async def evaluate_now(phase: str, step: int) -> None:
@@ -449,7 +452,16 @@ def _sft_step(
     }
 
 
-_GRPO_SUMS = ("loss", "clip_frac_low", "clip_frac_high", "tis_clipped_frac", "kl_mean")
+# Summed over micro-batches and ranks; the last two give the token-mean entropy.
+_GRPO_SUMS = (
+    "loss",
+    "clip_frac_low",
+    "clip_frac_high",
+    "tis_clipped_frac",
+    "kl_mean",
+    "entropy_sum",
+    "trained_tokens",
+)
 
 
 def _grpo_step(
@@ -478,7 +490,7 @@ def _grpo_step(
     ref = [_logprobs(reference, mb, cfg) if reference is not None else None for mb in micro]
     model.train()
     head = _head(cfg)
-    sums = torch.zeros(len(_GRPO_SUMS) + 2, dtype=torch.float64, device=device)
+    sums = torch.zeros(len(_GRPO_SUMS), dtype=torch.float64, device=device)
     mismatch = torch.zeros(1, dtype=torch.float64, device=device)
     norms = []
     for chunk in np.array_split(np.arange(len(micro)), updates):
@@ -523,9 +535,8 @@ def _grpo_step(
                 gap = (old[i] - mb.sampler_logp)[trained].abs().max().double()
                 mismatch = torch.maximum(mismatch, gap)
         norms.append(_clip_and_step(model, optimizer, cfg))
-    totals = parallel.all_sum(sums).tolist()
-    row = dict(zip(_GRPO_SUMS, totals, strict=False))
-    row["entropy"] = totals[-2] / max(1.0, totals[-1])
+    row = dict(zip(_GRPO_SUMS, parallel.all_sum(sums).tolist(), strict=True))
+    row["entropy"] = row.pop("entropy_sum") / max(1.0, row.pop("trained_tokens"))
     if updates > 1:
         row["engine_logp_max_abs_diff"] = float(parallel.all_max(mismatch))
     row.update(
@@ -564,20 +575,17 @@ def _head(cfg: Config) -> _HeadOps:
     )
 
 
-def _frozen_copy(model: Transformer) -> Transformer:
-    """A frozen copy of an unsharded model (what `_reference` makes of a sharded one)."""
-    reference = build_model_like(model).eval()
-    reference.load_state_dict(model.state_dict())
-    reference.requires_grad_(False)
-    return reference
-
-
-def build_model_like(model: Transformer) -> Transformer:
-    return Transformer(
-        model.args,
-        attention=model.attention,
-        activation_checkpointing=model.activation_checkpointing,
-    )
+def _uninitialised_like(model: Transformer) -> Transformer:
+    """A model of `model`'s shape whose weights are left unset (built on the meta device and
+    given storage only): for a copy whose weights are loaded next, where a default init of a
+    large model would cost minutes for nothing."""
+    with torch.device("meta"):
+        skeleton = Transformer(
+            model.args,
+            attention=model.attention,
+            activation_checkpointing=model.activation_checkpointing,
+        )
+    return skeleton.to_empty(device="cpu")
 
 
 def _reference(
@@ -587,7 +595,7 @@ def _reference(
     a run resumed inside RL reads the one its checkpoint saved."""
     if cfg.algo.kl_beta <= 0:
         return None
-    reference = parallel.shard(build_model_like(model), device, _DTYPES[cfg.model.dtype])
+    reference = parallel.shard(_uninitialised_like(model), device, _DTYPES[cfg.model.dtype])
     if resume_from is not None and step > 0:
         checkpointing.load_frozen(resume_from, "reference", reference)
     else:
@@ -790,11 +798,6 @@ def _export(
 def _due(cfg: Config, step: int) -> bool:
     every = cfg.checkpoint.every
     return bool(every) and (step + 1) % every == 0
-
-
-def _global_step(cfg: Config, state: checkpointing.TrainerState) -> int:
-    """Optimizer steps taken at `state` (RunLog's x axis)."""
-    return state.step if state.phase == "sft" else cfg.train.sft_steps + state.step
 
 
 # ==================================================================== helpers

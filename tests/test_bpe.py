@@ -1,10 +1,11 @@
 """The run-trained BPE tokenizer: round trips, ChatML, deterministic, loads as a checkpoint's."""
 
 import json
+import shutil
 
 import pytest
 
-from rlmtrain.model.bpe import copy_tokenizer_files, train_bpe
+from rlmtrain.model.bpe import tokenizer_files, train_bpe
 from rlmtrain.model.tokenizer import ByteTokenizer, HFTokenizer
 
 TEXTS = [
@@ -42,7 +43,9 @@ def test_deterministic_and_copied_into_a_checkpoint(tmp_path):
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (
         tmp_path / "b" / "tokenizer.json"
     ).read_bytes()
-    copy_tokenizer_files(tmp_path / "a", tmp_path / "ckpt")
+    (tmp_path / "ckpt").mkdir()
+    for file in tokenizer_files(tmp_path / "a"):
+        shutil.copyfile(file, tmp_path / "ckpt" / file.name)
     loaded = HFTokenizer.from_dir(tmp_path / "ckpt")
     assert loaded.encode(TEXTS[1]) == a.encode(TEXTS[1])
     config = json.loads((tmp_path / "ckpt" / "tokenizer_config.json").read_text())

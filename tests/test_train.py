@@ -159,7 +159,7 @@ def test_grpo_step_moves_the_policy_with_kl_and_tis():
     advantages, _ = compute_advantages([group], [[1.0, 0.0]], cfg.algo)
     batches = pack(build_samples([group], advantages, cfg.algo), cfg.algo.micro_batch_tokens)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    reference = train._frozen_copy(model)
+    reference = _frozen_copy(model)
     before = sum(engine_logprobs(completions[0]))
     row = train._grpo_step(model, optimizer, batches, cfg, torch.device("cpu"), reference)
     assert torch.isfinite(torch.tensor(row["loss"]))
@@ -167,6 +167,13 @@ def test_grpo_step_moves_the_policy_with_kl_and_tis():
     assert row["tis_clipped_frac"] == 0.0  # the engine's log-probs equal the trainer's
     assert row["grad_norm"] > 0
     assert sum(engine_logprobs(completions[0])) > before
+
+
+def _frozen_copy(model):
+    """The KL reference of an unsharded model, as the trainer makes it of a sharded one."""
+    import copy
+
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def _hand_made_batches(model, cfg, n_roots: int = 4):
@@ -269,7 +276,7 @@ def test_grpo_step_fused_and_unfused_agree(updates):
         # SGD: the weights move by lr * gradient, so they compare the gradients themselves
         # (Adam's first step is the gradient's sign, which flips on gradients near 0).
         optimizer = torch.optim.SGD(run.parameters(), lr=1.0)
-        reference = train._frozen_copy(model)
+        reference = _frozen_copy(model)
         rows[impl] = train._grpo_step(
             run, optimizer, batches, impl_cfg, torch.device("cpu"), reference
         )

@@ -15,7 +15,6 @@ Training is deterministic for the same texts and vocabulary size.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from rlmtrain.model.tokenizer import HFTokenizer
 __all__ = [
     "BPE_FILES",
     "CHATML_TEMPLATE",
-    "copy_tokenizer_files",
     "tokenizer_files",
     "train_bpe",
     "trained_tokenizer_dir",
@@ -43,7 +41,7 @@ CHATML_TEMPLATE = (
 )
 
 BPE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-"""What a tokenizer folder written here holds (and what `copy_tokenizer_files` copies)."""
+"""What a tokenizer folder written here holds (and what `tokenizer_files` lists)."""
 
 
 def trained_tokenizer_dir(checkpoint_dir: str | Path) -> Path:
@@ -100,11 +98,3 @@ def tokenizer_files(src_dir: str | Path) -> list[Path]:
     chat template), so the checkpoint loads with the ids it was trained on."""
     src = Path(src_dir)
     return [src / name for name in (*BPE_FILES, "chat_template.jinja") if (src / name).is_file()]
-
-
-def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> None:
-    """Copy `tokenizer_files(src_dir)` into a checkpoint folder."""
-    dst = Path(dst_dir)
-    dst.mkdir(parents=True, exist_ok=True)
-    for file in tokenizer_files(src_dir):
-        shutil.copyfile(file, dst / file.name)

@@ -71,12 +71,11 @@ def _our_name(hf_name: str) -> str | None:
 
 def named_hf_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, detached parameter) for every parameter, embedding first."""
-    for name, param in model.named_parameters():
-        yield _hf_name(name), param.detach()
+    return hf_named(dict(model.named_parameters()))
 
 
 def hf_named(state: Mapping[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
-    """(Hugging Face name, tensor) for a state dict in our parameter names."""
+    """(Hugging Face name, detached tensor) for a state dict in our parameter names."""
     for name, tensor in state.items():
         yield _hf_name(name), tensor.detach()
 
@@ -297,10 +296,8 @@ def save_hf(
     generation_config.json and `extra_files` (the tokenizer's) are copied in. The folder
     appears whole or not at all: written beside its place, then renamed into it."""
     directory = Path(directory)
-    named = state.items() if state is not None else model.named_parameters()
-    tensors = [
-        (_hf_name(name), t.detach().to(dtype or t.dtype).contiguous().cpu()) for name, t in named
-    ]
+    named = hf_named(state) if state is not None else named_hf_tensors(model)
+    tensors = [(name, t.to(dtype or t.dtype).contiguous().cpu()) for name, t in named]
     stored = tensors[0][1].dtype
     partial = directory.with_name(f".{directory.name}.partial")
     if partial.exists():

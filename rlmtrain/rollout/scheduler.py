@@ -141,11 +141,8 @@ class Scheduler:
         start_zygote: StartZygote | None = None,
         metrics_every_s: float = 0.5,
     ) -> None:
-        if config.max_live_workers < config.max_depth + 1:
-            raise ValueError(
-                f"rollout.max_live_workers={config.max_live_workers} must be at least "
-                f"max_depth + 1 = {config.max_depth + 1}: one worker per REPL level of a tree"
-            )
+        if config.too_few_workers():
+            raise ValueError(config.too_few_workers())
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
