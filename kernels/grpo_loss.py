@@ -27,6 +27,8 @@ They are unweighted averages over the counted tokens, those with weight != 0:
     kl_mean           mean k3 KL (0 without ref_logp; reported even when beta is 0)
     ratio_mean, ratio_max
     tokens            the number of counted tokens
+    sampler_logp_gap  mean |old_logp - sampler_logp| (0 without sampler_logp): the trainer's
+                      pi_old against the engine's log-probs, what TIS corrects for
 With no counted token every average is 0.
 
 The Triton kernel processes BLOCK tokens per program and writes per-program partial sums that a
@@ -53,6 +55,7 @@ METRIC_NAMES = (
     "ratio_mean",
     "ratio_max",
     "tokens",
+    "sampler_logp_gap",
 )
 NUM_METRIC_SUMS = len(METRIC_NAMES)
 # Tokens per program of the elementwise kernel (launched with Triton's default 4 warps).
@@ -72,6 +75,8 @@ class GRPOMetrics(NamedTuple):
     ratio_mean: torch.Tensor
     ratio_max: torch.Tensor
     tokens: torch.Tensor
+    sampler_logp_gap: torch.Tensor
+    """mean |old_logp - sampler_logp|: how far the trainer's pi_old is from the engine's."""
 
 
 def finalize_metrics(sums: torch.Tensor) -> GRPOMetrics:
@@ -134,8 +139,10 @@ def _grpo_loss_kernel(
         pg = tl.where(dual_active, -adv * dual_clip, pg)
         dpg = tl.where(dual_active, 0.0, dpg)
     tis_clipped = tl.zeros([BLOCK], dtype=tl.int1)
+    gap = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_SAMPLER:
         sampler = tl.load(SAMPLER_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        gap = tl.abs(old - sampler)
         tis = tl.exp(old - sampler)
         if HAS_CAP:
             tis_clipped = tis > tis_cap
@@ -166,6 +173,7 @@ def _grpo_loss_kernel(
     tl.store(out + 5, tl.sum(tl.where(counted, ratio, 0.0), axis=0))
     tl.store(out + 6, tl.max(tl.where(counted, ratio, float("-inf")), axis=0))
     tl.store(out + 7, tl.sum(cnt, axis=0))
+    tl.store(out + 8, tl.sum(tl.where(counted, gap, 0.0), axis=0))
 
 
 def _grpo_forward_triton(

@@ -366,7 +366,9 @@ def grpo_forward(
         pg = torch.where(dual_active, -adv * dual_clip, pg)
         dpg = torch.where(dual_active, 0.0, dpg)
     tis_clipped = torch.zeros_like(take_unclipped)
+    gap = torch.zeros_like(logp)
     if sampler_logp is not None:
+        gap = (old_logp - sampler_logp.float()).abs()
         tis = torch.exp(old_logp - sampler_logp.float())
         if tis_cap is not None:
             tis_clipped = tis > tis_cap
@@ -396,6 +398,7 @@ def grpo_forward(
             torch.where(counted, ratio, 0.0).sum(),
             ratio_max,
             cnt.sum(),
+            torch.where(counted, gap, 0.0).sum(),
         ]
     )
     return loss, torch.where(counted, w * dpg, 0.0), sums

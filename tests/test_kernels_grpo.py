@@ -137,6 +137,11 @@ def test_matches_direct_formula(option, impl, device):
         delta = (ref - logp)[counted]
         kl = torch.exp(delta) - delta - 1
         assert m.kl_mean.item() == pytest.approx(kl.mean().item(), rel=1e-5)
+    if sampler is not None:
+        gap = (old - sampler).abs()[counted]
+        assert m.sampler_logp_gap.item() == pytest.approx(gap.mean().item(), rel=1e-5)
+    else:
+        assert m.sampler_logp_gap.item() == 0.0
     if cap is not None:
         tis = torch.exp(old - sampler)[counted]
         assert m.tis_clipped_frac.item() == pytest.approx((tis > cap).double().mean().item())
