@@ -6,8 +6,8 @@ default's size trained on the tasks' text, from the tiny policy at random initia
 it samples is noise; the engine's work is the same). Both engines serve the same weights at the
 same seeds. Figures: generated tokens/s, occupancy (sequences per engine step / batch size),
 wall seconds; and for vLLM the seconds `update_weights` takes to send every tensor of the tiny
-model in buckets of the config's size (best of 3), its start-up seconds, and the largest
-per-token log-prob gap between the engines' first turns.
+model in buckets of the config's size (best of 3) and its start-up seconds. The engines draw
+from different random streams, so the trees differ; the work per step is alike.
 
     python -m pytest bench/bench_vllm_engine.py --benchmark-only -s
 """
@@ -62,13 +62,12 @@ async def _rl_step(cfg, env, tasks, tokenizer, engine) -> dict:
     groups = await scheduler.rollout(tasks, env, cfg.rollout.n_samples)
     seconds = time.perf_counter() - began
     stats = engine.stats()
-    first_turns = [g.trajectories[0].turns[0] for g in groups if g.trajectories[0].turns]
     return {
         "seconds": seconds,
         "generated_tokens": stats.generated_tokens,
         "tokens_per_s": stats.generated_tokens / seconds,
         "occupancy": stats.batch_slots_used / max(1, stats.steps * stats.max_batch_size),
-        "first_turns": [(t.completion_ids, t.sampler_logprobs) for t in first_turns],
+        "trees": sum(len(g.roots) for g in groups),
     }
 
 
@@ -99,7 +98,7 @@ def test_rl_step_tokens_per_s(benchmark, setting, engine_name: str) -> None:
 
     result = benchmark.pedantic(lambda: asyncio.run(measure()), rounds=1, iterations=1)
     _measured[engine_name] = result
-    info.update({k: v for k, v in result.items() if k != "first_turns"})
+    info.update(result)
     line = (
         f"\n{engine_name:>6}: {result['generated_tokens']} tokens in {result['seconds']:.1f} s, "
         f"{result['tokens_per_s']:.0f} tokens/s, occupancy {result['occupancy']:.0%}, "
@@ -110,18 +109,6 @@ def test_rl_step_tokens_per_s(benchmark, setting, engine_name: str) -> None:
         native = _measured.get("native")
         if native is not None:
             info["vs_native"] = result["tokens_per_s"] / native["tokens_per_s"]
-            gaps = [
-                abs(a - b)
-                for (ids_a, lp_a), (ids_b, lp_b) in zip(
-                    result["first_turns"], native["first_turns"], strict=True
-                )
-                if ids_a == ids_b
-                for a, b in zip(lp_a, lp_b, strict=True)
-            ]
-            info["first_turn_logp_max_gap"] = max(gaps, default=float("nan"))
-            line += (
-                f"; {info['vs_native']:.2f}x native; first turns' log-prob gap "
-                f"{info['first_turn_logp_max_gap']:.1e}"
-            )
+            line += f"; {info['vs_native']:.2f}x native"
     benchmark.extra_info.update(info)
     print(line)

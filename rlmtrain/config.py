@@ -158,11 +158,11 @@ class RolloutConfig(_Section):
     max_batch_size: Annotated[
         int, _doc("sequences decoded together (vLLM: max_num_seqs)", ge=1)
     ] = 32
-    kv_cache_tokens: Annotated[int, _doc("KV-cache capacity in tokens (either engine)", ge=64)] = (
-        65536
-    )
+    kv_cache_tokens: Annotated[
+        int, _doc("KV-cache capacity in tokens (native; vLLM on a CPU)", ge=64)
+    ] = 65536
     gpu_memory_utilization: Annotated[
-        float, _doc("vLLM on CUDA: share of the GPU's memory it may take", gt=0, le=1)
+        float, _doc("vLLM on CUDA: share of the GPU's memory, KV cache included", gt=0, le=1)
     ] = 0.5
     weight_sync_bucket_mb: Annotated[
         float, _doc("vLLM: MiB of weights per update call (a larger tensor goes alone)", gt=0)

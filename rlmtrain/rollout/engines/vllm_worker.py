@@ -60,8 +60,9 @@ class WeightSync:
 
     Between `begin` and `finish` each layer is rebuilt from the tensors it receives and
     processed into the kernel's layout (vLLM's layerwise reload) once all of its weights have
-    arrived, so a bucket may end in the middle of a layer; `finish` checks every layer was
-    completed. The engine core runs these calls between two steps, never inside one.
+    arrived, so a bucket may end in the middle of a layer; `finish` checks that every parameter
+    received its tensors. The caller pauses vLLM's scheduler around the three: a layer is empty
+    while it waits for its tensors.
     """
 
     model_runner: Any
@@ -70,6 +71,7 @@ class WeightSync:
     def rlmtrain_begin_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._rlmtrain_loaded: set[str] = set()
         initialize_layerwise_reload(self.model_runner.get_model())
 
     def rlmtrain_load_bucket(
@@ -79,7 +81,7 @@ class WeightSync:
         model's own `load_weights` maps the names onto its fused and sharded parameters.
         Returns how many tensors it loaded, so the caller can check nothing was dropped."""
         named = unpack_bucket(names, dtypes, shapes, data)
-        self.model_runner.get_model().load_weights(weights=named)
+        self._rlmtrain_loaded |= set(self.model_runner.get_model().load_weights(weights=named))
         return len(named)
 
     def rlmtrain_finish_update(self) -> None:
@@ -87,6 +89,20 @@ class WeightSync:
 
         model = self.model_runner.get_model()
         finalize_layerwise_reload(model, self.vllm_config.model_config)
+        # vLLM's reload only logs a layer that did not receive all of its weights (and keeps
+        # its old ones): an update that left any parameter out is an error here.
+        tied = getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False)
+        expected = {
+            name
+            for name, _ in model.named_parameters()
+            if not (tied and name.startswith("lm_head."))
+        }
+        missing = sorted(expected - self._rlmtrain_loaded)
+        if missing:
+            raise RuntimeError(
+                f"weight update left {len(missing)} parameter(s) without a tensor, e.g. "
+                f"{missing[0]!r}"
+            )
         # On the CPU a layer that keeps its weight (the embedding, and an output head tied to
         # it) multiplies by a packed copy made when it was processed. A tied head receives no
         # tensor of its own, so the reload never processes it again and it would go on
