@@ -41,6 +41,8 @@ def test_train_then_rollout_on_vllm(tmp_path: Path) -> None:
         "train",
         "--rollout.engine=vllm",
         f"--checkpoint.dir={run}",
+        "--data.sft_groups=3",
+        "--data.synth_groups=2",
         "--train.sft_steps=8",
         "--train.steps=2",
         "--train.tasks_per_step=2",
