@@ -24,7 +24,7 @@ import pytest
 from rlmtrain.config import load_config
 from rlmtrain.devices import HAS_VLLM
 from rlmtrain.envs.base import get_env
-from rlmtrain.model import build_model, named_hf_tensors, save_hf
+from rlmtrain.model import build_model, named_hf_tensors
 from rlmtrain.model.bpe import train_bpe
 from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.engines import build_engine
@@ -51,8 +51,7 @@ def setting(tmp_path_factory):
     )
     cfg = msgspec.structs.replace(cfg, model=model_cfg)
     model = build_model(model_cfg)
-    save_hf(model, folder / "policy")
-    return cfg, env, tasks, tokenizer, model, str(folder / "policy")
+    return cfg, env, tasks, tokenizer, model
 
 
 async def _rl_step(cfg, env, tasks, tokenizer, engine) -> dict:
@@ -73,7 +72,7 @@ async def _rl_step(cfg, env, tasks, tokenizer, engine) -> dict:
 
 @pytest.mark.parametrize("engine_name", ["native", "vllm"])
 def test_rl_step_tokens_per_s(benchmark, setting, engine_name: str) -> None:
-    cfg, env, tasks, tokenizer, model, policy = setting
+    cfg, env, tasks, tokenizer, model = setting
     cfg = msgspec.structs.replace(
         cfg, rollout=msgspec.structs.replace(cfg.rollout, engine=engine_name)
     )
@@ -81,7 +80,7 @@ def test_rl_step_tokens_per_s(benchmark, setting, engine_name: str) -> None:
 
     async def measure() -> dict:
         began = time.perf_counter()
-        engine = build_engine(cfg, tokenizer, hf_dir=policy if engine_name == "vllm" else None)
+        engine = build_engine(cfg, tokenizer)
         info["start_s"] = time.perf_counter() - began
         try:
             await engine.update_weights(named_hf_tensors(model))

@@ -36,9 +36,7 @@ import itertools
 import logging
 import math
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -162,12 +160,9 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
         log.info("resumed from %s: %s step %d", resume_from, state.phase, state.step)
     # The engine serves its own copy of the policy, kept in step through update_weights by HF
     # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
-    # vLLM starts from a checkpoint: the policy as it is now, written for this rank alone.
-    scratch = (
-        Path(tempfile.mkdtemp(prefix="rlmtrain-vllm-")) if cfg.rollout.engine == "vllm" else None
-    )
-    served = _engine_checkpoint(cfg, model, scratch) if scratch is not None else None
-    engine = build_engine(cfg, tokenizer, device=device, hf_dir=served)
+    # Either engine starts from the config's model and receives the policy at the first sync,
+    # before any rollout or evaluation.
+    engine = build_engine(cfg, tokenizer, device=device)
     runlog = RunLog(cfg, run_dir, rank0=world.is_main)
     if resume_from is None:
         runlog.start_fresh()
@@ -280,8 +275,6 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
     finally:
         runlog.close()
         await engine.close()
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
@@ -680,15 +673,6 @@ def _refuse_unwired(cfg: Config, world: parallel.World, device: torch.device) ->
             "rollout.engine: 'sim' samples pseudo-random tokens, not the policy; train with "
             "'native' or 'vllm'"
         )
-
-
-def _engine_checkpoint(cfg: Config, model: Transformer, scratch: Path) -> str:
-    """The policy's current weights as a Hugging Face checkpoint under `scratch` (this rank's
-    own folder), for vLLM to start from; gathering the state is a collective, so every rank
-    calls this."""
-    folder = scratch / "policy"
-    save_hf(model, folder, state=parallel.full_state(model), dtype=_DTYPES[cfg.model.dtype])
-    return str(folder)
 
 
 def _resume_point(cfg: Config, run_dir: Path) -> Path | None:

@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 import torch
-from rlmtrain.kernels import fused_linear_logprob
+from trainer_logprobs import completion_logprobs
 
 from rlmtrain.config import ModelConfig
 from rlmtrain.model import CheckpointError, build_model, named_hf_tensors
@@ -97,21 +97,11 @@ def test_logprobs_match_the_trainer(model, temperature: float) -> None:
 
     results, alone = run(sample())
     assert alone[0].token_ids == results[0].token_ids  # the seed, not the batch, decides
-    with torch.no_grad():
-        for prompt, completion in zip(requests, results, strict=True):
-            ids = torch.tensor(prompt + completion.token_ids)
-            hidden = model(ids, torch.arange(len(ids)), torch.tensor([0, len(ids)]))
-            positions = torch.arange(len(prompt) - 1, len(ids) - 1)
-            expected = fused_linear_logprob(
-                hidden[positions],
-                model.lm_head_weight,
-                ids[positions + 1],
-                temperature=temperature,
-                impl="torch",
-            )
-            got = torch.tensor(completion.logprobs)
-            assert got.dtype == torch.float32
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    for prompt, completion in zip(requests, results, strict=True):
+        expected = completion_logprobs(model, prompt, completion.token_ids, temperature)
+        got = torch.tensor(completion.logprobs)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
 def test_different_seeds_sample_differently(model) -> None:

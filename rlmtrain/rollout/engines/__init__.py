@@ -28,16 +28,14 @@ def build_engine(
     tokenizer: Tokenizer,
     *,
     device: torch.device | None = None,
-    hf_dir: str | None = None,
 ) -> Engine:
     """The engine `config.rollout.engine` names, serving `config.model`.
 
     native: the model built from `config.model` (random init from its preset unless hf_dir is
     set) on `device` (default `config.train.device`; a data-parallel rank passes its own), with
-    prefix caching (NativeEngine's default); vllm: the Hugging Face checkpoint in `hf_dir`
-    (default `config.model.hf_dir`, else the preset's random init; `train` passes its policy)
-    served by vLLM in this process; sim: pseudo-random tokens at no modelled cost (a smoke
-    test of the scheduler).
+    prefix caching (NativeEngine's default); vllm: the same model served by vLLM in this
+    process, from `config.model.hf_dir` or else the preset's random init written for it; sim:
+    pseudo-random tokens at no modelled cost (a smoke test of the scheduler).
     """
     rollout = config.rollout
     if rollout.engine == "native":
@@ -61,7 +59,7 @@ def build_engine(
         from rlmtrain.model.hf import read_hf_args
         from rlmtrain.rollout.engines.vllm import VLLMEngine
 
-        served = hf_dir or config.model.hf_dir
+        served = config.model.hf_dir
         scratch = None
         if not served:
             # vLLM loads checkpoints only: the preset's random init, written for it (and

@@ -82,12 +82,13 @@ __all__ = ["VLLMEngine", "engine_args", "kv_cache_bytes"]
 
 T = TypeVar("T")
 _WORKER_EXTENSION = "rlmtrain.rollout.engines.vllm_worker.WeightSync"
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def kv_cache_bytes(args: ModelArgs, tokens: int, dtype: str) -> int:
     """The bytes a KV cache of `tokens` tokens takes for a model of `args`' shape."""
-    per_token = 2 * args.num_layers * args.num_kv_heads * args.head_dim * _DTYPE_BYTES[dtype]
+    per_token = (
+        2 * args.num_layers * args.num_kv_heads * args.head_dim * getattr(torch, dtype).itemsize
+    )
     return tokens * per_token
 
 
@@ -187,7 +188,7 @@ class VLLMEngine:
             decode=decode,
             scratch=scratch,
             bucket_bytes=int(config.rollout.weight_sync_bucket_mb * (1 << 20)),
-            dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[config.model.dtype],
+            dtype=getattr(torch, config.model.dtype),
         )
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
