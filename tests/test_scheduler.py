@@ -426,3 +426,25 @@ def test_worker_limit_below_depth_is_refused() -> None:
     engine = SimEngine(script=lambda p, s: [], eos_id=0)
     with pytest.raises(ValueError, match="max_live_workers=2 must be at least max_depth"):
         Scheduler(engine, TOKENIZER, RolloutConfig(max_depth=2, max_live_workers=2))
+
+
+def test_a_tree_that_breaks_its_teardown_costs_only_itself(tmp_path: Path) -> None:
+    """A root that leaves a directory tree too deep for a recursive removal: its session and its
+    zygote still close, and the rollout's other trees finish."""
+
+    def script(query: str, turn: int) -> str:
+        if query == "DEEP":
+            return code(
+                "import os",
+                "for _ in range(3000):",
+                "    os.mkdir('d')",
+                "    os.chdir('d')",
+                "FINAL('dug')",
+            )
+        return code("FINAL('fine')")
+
+    scheduler, engine = make(script)
+    tasks = [Task(id="deep", query="DEEP"), Task(id="calm", query="ROOT")]
+    deep, calm = run(scheduler, engine, tmp_path, tasks=tasks, n_samples=2)
+    assert [t.answer for t in calm.roots] == ["fine", "fine"]
+    assert [t.finish_reason for t in deep.roots] == ["final", "final"]

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from rlmtrain.rlm.protocol import MAX_PROMPTS_PER_QUERY
 from rlmtrain.rlm.records import ToolCall
 
 __all__ = ["MAX_RECORDED_CALLS", "FinalAnswer", "OutputCapture", "Toolbox", "clip_text"]
@@ -193,6 +194,11 @@ class Toolbox:
             raise ValueError(
                 f"rlm_query_batched: {len(prompts)} prompts but {len(contexts)} contexts; "
                 "pass one context per prompt or none"
+            )
+        if len(prompts) > MAX_PROMPTS_PER_QUERY:
+            raise ValueError(
+                f"rlm_query_batched: {len(prompts)} prompts, over the limit of "
+                f"{MAX_PROMPTS_PER_QUERY} per call"
             )
         self._record("rlm_query_batched", _args_repr.repr(prompts))
         if not prompts:

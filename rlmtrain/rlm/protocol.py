@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -20,6 +20,7 @@ from rlmtrain.rlm.records import ToolCall
 
 __all__ = [
     "HEADER",
+    "MAX_PROMPTS_PER_QUERY",
     "Answers",
     "Boot",
     "Booted",
@@ -40,6 +41,11 @@ __all__ = [
 ]
 
 HEADER = struct.Struct(">I")
+
+MAX_PROMPTS_PER_QUERY = 1024
+"""Prompts in one `rlm_query_batched` call. The builtin refuses more with a ValueError; a frame
+with more is forged, and the trainer's decoder refuses it by its length header, before it has
+built a single prompt (a 64 MiB frame could otherwise hold ~33M empty prompts)."""
 
 
 class WorkerLimits(msgspec.Struct, kw_only=True, frozen=True):
@@ -136,8 +142,8 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
 
 class Query(msgspec.Struct, tag=True, kw_only=True):
     id: int
-    prompts: list[str]
-    contexts: list[Any]
+    prompts: Annotated[list[str], msgspec.Meta(max_length=MAX_PROMPTS_PER_QUERY)]
+    contexts: Annotated[list[Any], msgspec.Meta(max_length=MAX_PROMPTS_PER_QUERY)]
     """One per prompt; None = the parent's context."""
 
 

@@ -23,6 +23,16 @@ Design (process side in `rlmtrain.rlm.worker`, jail in `csrc/jail.c`):
   never be hit.
 - The exec timer runs only while the worker runs: time waiting for `on_query` (child RLM calls)
   is not counted. A timeout kills the worker; the session is then dead (`ExecResult.dead`).
+  Every wait on a worker has a deadline: sending it answers it does not read counts against the
+  exec's time, and a worker that closes its socket is killed after a short grace rather than
+  waited for.
+- What model code sends is bounded before it costs the trainer work: at most
+  MAX_PROMPTS_PER_QUERY prompts per frame (checked at decode), at most
+  `max_query_prompts_per_exec` prompts handed to `on_query` per exec; past that, the REPL answers
+  each query itself without the handler, and that time counts against the exec.
+- Closing never raises and never leaves anything: a session's or zygote's directory is removed
+  by `teardown.remove_tree` in a thread (however deep or wide model code made it), and a failing
+  step of a close does not skip the steps after it.
 - The zygote dies with the thread that started it (PR_SET_PDEATHSIG follows the parent
   thread): start zygotes from the thread that runs the event loop.
 - Each worker runs as its own unprivileged uid (`uid_base + slot`, the base derived from the
@@ -38,7 +48,6 @@ import itertools
 import logging
 import os
 import pickle
-import shutil
 import signal
 import socket
 import sys
@@ -69,6 +78,7 @@ from rlmtrain.rlm.protocol import (
     encode_frame,
 )
 from rlmtrain.rlm.records import ToolCall
+from rlmtrain.rlm.teardown import remove_tree
 
 __all__ = ["DEFAULT_PRELOAD", "ExecResult", "QueryHandler", "ReplLimits", "Session", "Zygote"]
 
@@ -90,6 +100,8 @@ _UID_FLOOR = 1 << 30
 _MAX_SLOTS = 1 << 12
 _READY_TIMEOUT_S = 30.0
 _EXIT_REPORT_TIMEOUT_S = 2.0
+_EOF_GRACE_S = 1.0
+"""How long a worker whose socket closed may take to exit on its own before it is killed."""
 
 
 class ReplLimits(msgspec.Struct, kw_only=True):
@@ -109,6 +121,9 @@ class ReplLimits(msgspec.Struct, kw_only=True):
     """A bigger frame from a worker is a protocol violation: the worker is killed."""
     max_threads: int = 32
     """RLIMIT_NPROC of the worker's own uid: the threads it may run, its main thread included."""
+    max_query_prompts_per_exec: int = 4096
+    """rlm_query prompts per exec handed to the query handler (a call counts at least one);
+    later calls in the same exec are answered with a refusal by the REPL itself."""
 
     def for_worker(self) -> WorkerLimits:
         return WorkerLimits(
@@ -148,6 +163,10 @@ class _WorkerGone(Exception):
     pass
 
 
+class _OutOfTime(Exception):
+    """The exec's run time is used up while waiting on its worker."""
+
+
 _worker_decoder = msgspec.msgpack.Decoder(Ready | Query | Done)
 
 
@@ -166,6 +185,13 @@ def _worker_env() -> dict[str, str]:
     }
 
 
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {sig}"
+
+
 def _describe_exit(status: int, limits: ReplLimits) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
@@ -178,7 +204,7 @@ def _describe_exit(status: int, limits: ReplLimits) -> str:
             return f"the worker used up its CPU time limit of {limits.cpu_s} s (SIGXCPU)"
         if sig == signal.SIGKILL:
             return "the worker was killed (SIGKILL), e.g. out of memory or past its CPU hard limit"
-        return f"the worker died from signal {signal.Signals(sig).name}"
+        return f"the worker died from {_signal_name(sig)}"
     code = os.waitstatus_to_exitcode(status)
     return f"the worker exited with status {code} (os._exit or a fatal interpreter error)"
 
@@ -376,7 +402,7 @@ class Zygote:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 os.close(pidfd)
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove_tree(workdir)  # still empty: no worker ran in it
             self._free_slots.append(slot)
             raise
         self._sessions.add(session)
@@ -406,19 +432,32 @@ class Zygote:
         await asyncio.shield(self._closing)
 
     async def _close(self) -> None:
+        # Each step runs whatever the one before it met: a zygote left running or a directory
+        # left behind would outlive the rollout that tried to close them.
         for session in list(self._sessions):
-            await session.close()
+            try:
+                await session.close()
+            except Exception:
+                log.exception("closing REPL worker %d failed; it is killed anyway", session.pid)
         if self._channel is not None and not self._channel.closed:
             with contextlib.suppress(OSError, RuntimeError, TimeoutError):
                 await asyncio.wait_for(self._channel.send(Shutdown()), 1.0)
         try:
             await asyncio.wait_for(self._process.wait(), 5.0)
         except TimeoutError:
-            self._process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
             await self._process.wait()
         if self._channel is not None:
             self._channel.close()
-        shutil.rmtree(self.temp_root, ignore_errors=True)
+        await _remove_directory(self.temp_root)
+
+
+async def _remove_directory(path: str) -> None:
+    """Off the event loop: a worker can leave many thousands of files."""
+    problems = await asyncio.to_thread(remove_tree, path)
+    if problems:
+        log.warning("could not remove all of %s: %s", path, "; ".join(problems))
 
 
 class Session:
@@ -472,13 +511,24 @@ class Session:
             raise _WorkerGone from exc
         try:
             return _worker_decoder.decode(body)
-        except msgspec.DecodeError as exc:
+        except msgspec.DecodeError as exc:  # ValidationError too: e.g. over a length cap
             raise _ProtocolViolation(f"a malformed frame ({exc})") from None
+        except RecursionError:
+            raise _ProtocolViolation("a frame nested too deeply to decode") from None
 
-    async def _send(self, message: msgspec.Struct) -> None:
+    async def _read_frame_within(self, timeout_s: float):
+        try:
+            return await asyncio.wait_for(self._read_frame(), max(timeout_s, 0.0))
+        except TimeoutError:
+            raise _OutOfTime from None
+
+    async def _send(self, message: msgspec.Struct, timeout_s: float) -> None:
+        """Raises _OutOfTime if the worker does not take the frame within `timeout_s`."""
         try:
             self._writer.write(encode_frame(message))
-            await self._writer.drain()
+            await asyncio.wait_for(self._writer.drain(), max(timeout_s, 0.0))
+        except TimeoutError:
+            raise _OutOfTime from None
         except (ConnectionError, RuntimeError) as exc:
             raise _WorkerGone from exc
 
@@ -505,8 +555,15 @@ class Session:
         await asyncio.shield(self._gone)
 
     async def _explain_death(self) -> str:
-        """The worker's socket closed: wait for its exit and say why it died."""
-        await asyncio.shield(self._gone)
+        """The worker's socket closed: wait briefly for its exit (a worker that closed its
+        socket and lives on is killed) and say why it died."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._gone), _EOF_GRACE_S)
+        except TimeoutError:
+            await self._kill(
+                "REPL worker closed its channel to the trainer and kept running; "
+                "it was killed and this session is over."
+            )
         if self._death is None:
             try:
                 status = await asyncio.wait_for(
@@ -540,22 +597,14 @@ class Session:
             if self._death is not None:
                 return self._dead_result()
             exec_id = next(self._exec_ids)
-            budget = self._limits.exec_timeout_s
+            prompts_left = self._limits.max_query_prompts_per_exec
             loop = asyncio.get_running_loop()
+            # Moved later by the time on_query takes: that time is not the worker's.
+            deadline = loop.time() + self._limits.exec_timeout_s
             try:
-                await self._send(Exec(id=exec_id, code=code))
+                await self._send(Exec(id=exec_id, code=code), deadline - loop.time())
                 while True:
-                    started = loop.time()
-                    try:
-                        message = await asyncio.wait_for(self._read_frame(), budget)
-                    except TimeoutError:
-                        await self._kill(
-                            f"exec timed out after {self._limits.exec_timeout_s:g} s of run time "
-                            "(time waiting for rlm_query not counted); "
-                            "the worker was killed and this session is over."
-                        )
-                        return self._dead_result()
-                    budget -= loop.time() - started
+                    message = await self._read_frame_within(deadline - loop.time())
                     if isinstance(message, Done) and message.id == exec_id:
                         return ExecResult(
                             output=clip_text(message.output, self._limits.output_limit_chars + 100),
@@ -569,10 +618,26 @@ class Session:
                         and message.id == exec_id
                         and len(message.contexts) == len(message.prompts)
                     ):
-                        answers = await self._answer_while_alive(message, on_query)
-                        await self._send(Answers(id=exec_id, answers=answers))
+                        prompts_left -= max(len(message.prompts), 1)
+                        if prompts_left >= 0:
+                            paused = loop.time()
+                            answers = await self._answer_while_alive(message, on_query)
+                            deadline += loop.time() - paused
+                        else:
+                            answers = [self._over_query_budget] * len(message.prompts)
+                            await asyncio.sleep(0)  # a query loop must not hold the event loop
+                        await self._send(
+                            Answers(id=exec_id, answers=answers), deadline - loop.time()
+                        )
                         continue
                     raise _ProtocolViolation(f"an unexpected {type(message).__name__} frame")
+            except _OutOfTime:
+                await self._kill(
+                    f"exec timed out after {self._limits.exec_timeout_s:g} s of run time "
+                    "(time waiting for rlm_query not counted); "
+                    "the worker was killed and this session is over."
+                )
+                return self._dead_result()
             except _ProtocolViolation as exc:
                 await self._kill(
                     f"REPL worker broke the protocol ({exc}); "
@@ -585,6 +650,11 @@ class Session:
             except BaseException:
                 await self._kill("the exec was abandoned by the trainer")
                 raise
+
+    @property
+    def _over_query_budget(self) -> str:
+        limit = self._limits.max_query_prompts_per_exec
+        return f"[rlm_query not run: this exec has used all {limit} of its sub-query prompts]"
 
     async def _answer_while_alive(self, query: Query, on_query: QueryHandler | None) -> list[str]:
         """Run the handler; if the worker dies meanwhile (e.g. the session is closed while its
@@ -638,5 +708,5 @@ class Session:
         with contextlib.suppress(ConnectionError):
             await self._writer.wait_closed()
         os.close(self._pidfd)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        await _remove_directory(self.workdir)
         self._zygote._release(self)

@@ -1,0 +1,216 @@
+"""Worker code that attacks the runtime around the jail, not the jail itself.
+
+Model code owns its worker's interpreter: it can build a directory tree too deep to remove
+recursively, close or stop reading its end of the protocol, forge frames the trainer must decode,
+die from any signal, and push sub-queries in a loop. Each test runs one such worker on a real
+zygote and checks that the damage stays inside that session: the exec ends with an error result
+within a stated bound, the session and zygote close cleanly, nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+from leaks import leak_checked_temp_dir
+
+from rlmtrain.rlm.protocol import MAX_PROMPTS_PER_QUERY
+from rlmtrain.rlm.repl import ReplLimits, Zygote
+
+LIMITS = ReplLimits(exec_timeout_s=2.0, memory_mb=1024, cpu_s=60, output_limit_chars=400)
+HANG_MARGIN_S = 3.0
+"""What an exec may take past its timeout when a worker refuses to cooperate: the kill, the
+zygote's reap report, and this machine's scheduling noise."""
+
+# The worker's end of its protocol socket (see `rlmtrain.rlm.worker`), which model code can reach.
+FORGE = (
+    "import socket, struct, msgspec\n"
+    "wire = socket.socket(fileno=3)\n"
+    "def send(obj):\n"
+    "    body = msgspec.msgpack.encode(obj)\n"
+    "    wire.sendall(struct.pack('>I', len(body)) + body)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def temp_dir():
+    with leak_checked_temp_dir(prefix="test-repl-faults-") as path:
+        yield path
+
+
+def run_with_zygote(body, temp_dir, *, limits=LIMITS):
+    async def main():
+        zygote = await Zygote.start(
+            context="ctx", tool_modules=["textwrap"], limits=limits, temp_dir=temp_dir
+        )
+        try:
+            return await body(zygote)
+        finally:
+            await zygote.close()
+            assert not os.path.exists(zygote.temp_root)
+
+    return asyncio.run(main())
+
+
+async def timed_exec(session, code, on_query=None):
+    began = time.perf_counter()
+    result = await session.exec(code, on_query=on_query)
+    return result, time.perf_counter() - began
+
+
+def test_a_tree_too_deep_for_recursion_is_removed(temp_dir):
+    depth = 3000  # past the interpreter's recursion limit and, as one path, past PATH_MAX
+
+    async def body(zygote):
+        session = await zygote.session()
+        result = await session.exec(
+            f"import os\nfor _ in range({depth}):\n    os.mkdir('d')\n    os.chdir('d')\n"
+            "open('leaf', 'w').write('x')"
+        )
+        assert not result.dead and result.error == "", result
+        workdir = session.workdir
+        await session.close()
+        assert not os.path.exists(workdir)
+        survivor = await zygote.session()
+        assert (await survivor.exec("print(1 + 1)")).output == "2\n"
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_a_deep_tree_left_at_zygote_close_is_removed(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        await session.exec("import os\nfor _ in range(2500):\n    os.mkdir('d')\n    os.chdir('d')")
+        # No session.close(): the zygote's close must take the session and its tree down.
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_a_worker_that_closes_its_socket_and_sleeps_is_killed(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        result, took = await timed_exec(session, "import os, time\nos.close(3)\ntime.sleep(120)")
+        assert result.dead and "channel" in result.error, result
+        assert took < LIMITS.exec_timeout_s + HANG_MARGIN_S
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_a_worker_that_never_reads_its_answers_times_out(temp_dir):
+    async def answer_big(prompts, contexts):
+        return ["y" * 4_000_000 for _ in prompts]  # far over any socket buffer
+
+    async def body(zygote):
+        session = await zygote.session()
+        code = FORGE + (
+            "import time\n"
+            "send({'type': 'Query', 'id': 1, 'prompts': ['a'], 'contexts': [None]})\n"
+            "time.sleep(120)"
+        )
+        result, took = await timed_exec(session, code, on_query=answer_big)
+        assert result.dead and "timed out" in result.error, result
+        assert took < LIMITS.exec_timeout_s + HANG_MARGIN_S
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_a_deeply_nested_frame_is_a_protocol_violation(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        code = FORGE + (
+            "body = msgspec.msgpack.encode("
+            "{'type': 'Query', 'id': 1, 'prompts': ['a'], 'contexts': ['HOLE']})\n"
+            "body = body.replace(msgspec.msgpack.encode('HOLE'), b'\\x91' * 5000 + b'\\xc0')\n"
+            "wire.sendall(struct.pack('>I', len(body)) + body)\n"
+            "import time\ntime.sleep(60)"
+        )
+        result = await session.exec(code, on_query=None)
+        assert result.dead and "protocol" in result.error, result
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_death_by_a_real_time_signal_is_described(temp_dir):
+    async def body(zygote):
+        session = await zygote.session()
+        result = await session.exec("import os, signal\nos.kill(os.getpid(), 40)")
+        assert result.dead and "signal 40" in result.error, result
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_a_forged_query_with_a_million_prompts_is_refused_at_decode(temp_dir):
+    calls = []
+
+    async def count(prompts, contexts):
+        calls.append(len(prompts))
+        return ["" for _ in prompts]
+
+    async def body(zygote):
+        session = await zygote.session()
+        code = FORGE + (
+            "send({'type': 'Query', 'id': 1, 'prompts': [''] * 1_000_000, "
+            "'contexts': [None] * 1_000_000})\n"
+            "import time\ntime.sleep(60)"
+        )
+        result = await session.exec(code, on_query=count)
+        assert result.dead and "protocol" in result.error, result
+        assert calls == []
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_honest_code_over_the_prompt_cap_gets_a_python_error(temp_dir):
+    cap = MAX_PROMPTS_PER_QUERY
+
+    async def body(zygote):
+        session = await zygote.session()
+        result = await session.exec(f"rlm_query_batched(['p'] * {cap + 1})")
+        assert not result.dead and "ValueError" in result.error, result
+        assert str(cap) in result.error
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_a_sub_query_loop_cannot_stall_the_event_loop(temp_dir):
+    """Model code calling rlm_query_batched in a tight loop: once the exec has used its prompts,
+    the REPL answers on its own (no handler), and that time counts against the exec's budget,
+    so the loop ends at the exec timeout; meanwhile the event loop keeps ticking."""
+    handled = []
+
+    async def handler(prompts, contexts):
+        handled.append(len(prompts))
+        return ["no" for _ in prompts]
+
+    async def body(zygote):
+        session = await zygote.session()
+        gaps: list[float] = []
+
+        async def ticker():
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticking = asyncio.create_task(ticker())
+        result, took = await timed_exec(
+            session, "while True:\n    rlm_query_batched([''] * 100)", on_query=handler
+        )
+        ticking.cancel()
+        assert result.dead and "timed out" in result.error, result
+        assert took < LIMITS.exec_timeout_s + HANG_MARGIN_S
+        assert sum(handled) <= ReplLimits().max_query_prompts_per_exec
+        assert max(gaps) < 0.5, f"the event loop stalled {max(gaps):.2f} s"
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
