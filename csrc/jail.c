@@ -62,10 +62,23 @@
 #define RET_ERRNO(e) (SECCOMP_RET_ERRNO | ((e) & SECCOMP_RET_DATA))
 
 /* Syscalls refused outright with EPERM: leaving the box (exec, namespaces, mounts, other
- * processes' memory or signals), talking to the network, loading code into the kernel, or
- * changing machine-wide state. */
+ * processes' memory or signals), talking to the network, loading code into the kernel,
+ * changing machine-wide state, or holding memory outside the worker's limits: SysV and POSIX
+ * IPC objects live in the host's IPC namespace, outlive the worker and are readable by a later
+ * one (a channel between rollouts), and neither they nor memfd files count against
+ * RLIMIT_AS. */
 static const int refused_syscalls[] = {
     SYS_execve, SYS_execveat,
+    SYS_shmget, SYS_shmat, SYS_shmdt, SYS_shmctl, SYS_msgget, SYS_msgsnd, SYS_msgrcv, SYS_msgctl,
+    SYS_semget, SYS_semop, SYS_semctl,
+#ifdef SYS_semtimedop
+    SYS_semtimedop,
+#endif
+    SYS_mq_open, SYS_mq_unlink, SYS_mq_timedsend, SYS_mq_timedreceive, SYS_mq_notify,
+    SYS_mq_getsetattr, SYS_memfd_create,
+#ifdef SYS_memfd_secret
+    SYS_memfd_secret,
+#endif
 #ifdef SYS_fork
     SYS_fork,
 #endif

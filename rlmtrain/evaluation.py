@@ -58,9 +58,6 @@ SPAWN_TOOLS = frozenset({"rlm_query", "rlm_query_batched"})
 TIMING_KEYS = ("wall_s_per_tree", "seconds")
 """Report keys measured by the wall clock; every other key is a function of the sampled trees."""
 
-_UNRECORDED_CALLS = "..."
-"""The ToolCall name the REPL uses for calls past its recording cap (rlm/builtins.py)."""
-
 
 # ---------------------------------------------------------------------------------------------
 # Metrics
@@ -132,11 +129,7 @@ def summarize(
     tool_calls: Counter[str] = Counter()
     for trajectory in everyone:
         for turn in trajectory.turns:
-            for call in turn.tool_calls:
-                if call.name == _UNRECORDED_CALLS:
-                    tool_calls["(not recorded)"] += _leading_int(call.args)
-                else:
-                    tool_calls[call.name] += 1
+            tool_calls.update(call.name for call in turn.tool_calls)
     tree_walls = _tree_walls(groups)
     return {
         "tasks": len(tasks),
@@ -201,11 +194,6 @@ def sample_digest(groups: Sequence[RolloutGroup]) -> str:
 
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
-
-
-def _leading_int(text: str) -> int:
-    head = text.split(" ", 1)[0]
-    return int(head) if head.isdigit() else 1
 
 
 def _task_id(task: Any) -> str:

@@ -58,10 +58,8 @@ TASKS = [
 # ---------------------------------------------------------------------------------------------
 
 
-def turn(*calls: str, started: float = 0.0, ended: float = 0.0, unrecorded: int = 0) -> Turn:
+def turn(*calls: str, started: float = 0.0, ended: float = 0.0) -> Turn:
     tool_calls = [ToolCall(name=name) for name in calls]
-    if unrecorded:
-        tool_calls.append(ToolCall(name="...", args=f"{unrecorded} more calls not recorded"))
     return Turn(
         prompt_ids=[0],
         completion_ids=[1, 2, 3],
@@ -96,7 +94,7 @@ def hand_built() -> tuple[list[RolloutGroup], list[list[float | None]]]:
         task=TASKS[0],
         trajectories=[
             # Listed out of sample order: `roots` sorts them, and scores follow that order.
-            node("one#1", [turn(unrecorded=5), turn(), turn()], "max_turns"),
+            node("one#1", [turn(), turn(), turn()], "max_turns"),
             node(
                 "one#0",
                 [
@@ -162,7 +160,7 @@ def test_summarize_hand_built_groups() -> None:
             "roots": {"final": 2, "max_turns": 1, "timeout": 1},
             "children": {"error": 1, "final": 1, "max_turns": 1},
         },
-        "tool_calls": {"(not recorded)": 5, "rlm_query": 1, "rlm_query_batched": 1, "search": 3},
+        "tool_calls": {"rlm_query": 1, "rlm_query_batched": 1, "search": 3},
         "generated_tokens": 3 * 10,
         "wall_s_per_tree": (4.0 + 15.0) / 2,  # trees with timed turns: one#0, two#0
         "seconds": 7.5,

@@ -242,7 +242,7 @@ def test_recursion_past_the_c_stack_is_a_crash_not_a_hang(temp_dir):
     assert result.dead and "SIGSEGV" in result.error
 
 
-FORGED_DONE = encode_frame(Done(id=99, output="forged", error="", final="forged", calls=[]))
+FORGED_DONE = encode_frame(Done(id=99, output="forged", error="", final="forged"))
 
 
 @pytest.mark.parametrize(
@@ -304,6 +304,13 @@ SYSCALLS = {
     "prctl(PR_SET_SECCOMP)": (157, 167, [22, 2, 0]),
     "clone(CLONE_NEWUSER)": (56, 220, [0x10000000 | 0x10000 | 0x800 | 0x100, 0, 0, 0, 0]),
     "clone3": (435, 435, [0, 0]),
+    # IPC objects outlive the worker and escape its memory limit (0o1600 = IPC_CREAT | 0600).
+    "shmget": (29, 194, [0, 4096, 0o1600]),
+    "shmat": (30, 196, [0, 0, 0]),
+    "msgget": (68, 186, [0, 0o1600]),
+    "semget": (64, 190, [0, 1, 0o1600]),
+    "mq_open": (240, 180, [0, 0o100, 0o600, 0]),
+    "memfd_create": (319, 279, [0, 0]),
 }
 
 

@@ -103,18 +103,11 @@ def test_final_var_of_a_missing_name_is_an_error_not_an_end(temp_dir):
     run_with_zygote(body, temp_dir)
 
 
-def test_tools_are_recorded_and_their_prints_captured(temp_dir):
+def test_tools_run_and_their_prints_are_captured(temp_dir):
     async def body(zygote):
         session = await zygote.session()
         result = ok(await session.exec("pprint({'k': 1})\nprint(shorten(context, width=20))"))
         assert result.output == "{'k': 1}\nThe quick [...]\n"
-        assert [c.name for c in result.calls] == ["pprint", "shorten"]
-        assert (
-            result.calls[1].args.startswith("'The quick brown fox.")
-            and "width=20" in result.calls[1].args
-        )
-        many = ok(await session.exec("for i in range(1000):\n    dedent(str(i))"))
-        assert len(many.calls) == 257 and many.calls[-1].args == "744 more calls not recorded"
         await session.close()
 
     run_with_zygote(body, temp_dir)
@@ -148,7 +141,6 @@ def test_rlm_query_round_trips_in_order(temp_dir):
             )
         )
         assert batched.output == "['answer to x', 'answer to y', 'answer to z']\n"
-        assert [c.name for c in batched.calls] == ["rlm_query_batched"]
         assert seen == [(["q1"], [None]), (["x", "y", "z"], [None, {"part": 2}, ["p", 3]])]
         mismatch = await session.exec("rlm_query_batched(['a', 'b'], ['only one'])", handler)
         assert "2 prompts but 1 contexts" in mismatch.error

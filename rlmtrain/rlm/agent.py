@@ -5,7 +5,7 @@
     messages (prompts.py) -> chat template -> token ids   (over max_prompt_tokens: "context")
     -> await generate(ids)                                (engine "abort": "aborted")
     -> extract_code (extract.py) -> await session.exec(code, on_query)
-    -> a Turn with the exact ids, the sampler's log-probs, code, output, error, tool calls, times
+    -> a Turn with the exact ids, the sampler's log-probs, code, output, error, its calls, times
     FINAL ran: "final" | worker dead: "error" | out of turns: "max_turns" | deadline: "timeout"
 
 It knows no engine, no scheduler and no torch: the engine is a `GenerateFn`, the tokenizer
@@ -28,6 +28,7 @@ CancelledError propagates. A deadline (loop time) ends the run with "timeout" in
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
@@ -37,6 +38,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from rlmtrain.config import RolloutConfig
+from rlmtrain.rlm.code_calls import calls_in_code, tool_names
 from rlmtrain.rlm.extract import STOP_STRINGS, extract_code
 from rlmtrain.rlm.generation import Completion, GenerateFn, SamplingParams
 from rlmtrain.rlm.prompts import (
@@ -169,6 +171,11 @@ class Agent:
             stop_strings=stop_strings,
             seed=seed,
         )
+
+    @functools.cached_property
+    def call_names(self) -> frozenset[str]:
+        """The names whose calls in a turn's code are its tool calls."""
+        return tool_names(tuple(self.env.tool_modules()))
 
     def text_of(self, completion: Completion) -> str:
         """The completion as text, without the stop token that ended it."""
@@ -338,7 +345,8 @@ class _Run:
             return None
         turn.code = extraction.code
         result = await self.session.exec(extraction.code, on_query=self.on_query)
-        turn.output, turn.error, turn.tool_calls = result.output, result.error, result.calls
+        turn.output, turn.error = result.output, result.error
+        turn.tool_calls = calls_in_code(extraction.code, agent.call_names)
         turn.ended = time.time()
         if result.final is not None:
             trajectory.answer = result.final

@@ -1,9 +1,8 @@
 """The names a REPL worker puts in front of model code, and how it captures what the code prints.
 
 Runs inside the jailed worker. `Toolbox` holds `FINAL`, `FINAL_VAR`, `rlm_query`,
-`rlm_query_batched`, the environment's tools (wrapped so that each call is recorded) and
-`context`; the worker writes them back into the model's globals before every exec, so rebinding
-`FINAL = None` lasts one exec at most.
+`rlm_query_batched`, the environment's tools and `context`; the worker writes them back into
+the model's globals before every exec, so rebinding `FINAL = None` lasts one exec at most.
 
 A final answer exists only when FINAL or FINAL_VAR runs: the text of the completion is never
 searched (a FINAL inside a string or comment means nothing). FINAL records the answer and stops
@@ -14,30 +13,25 @@ NameError: the model sees an error and the trajectory goes on.
 `rlm_query` / `rlm_query_batched` hand prompts to an `ask` callable (the worker's channel to the
 trainer) and block until the answers come back; only one query is in flight at a time, and
 only while an exec runs (a thread left behind by an earlier exec gets an error, not a channel).
+
+These rules hold for code that uses the REPL as documented. Model code owns its worker's
+interpreter, so code that reaches past them (the worker's socket, this toolbox, the builtins
+snapshot) can forge them for its own session: report a final answer without calling FINAL, keep
+a patched tool for its later execs. That crosses no boundary (the jail holds, and the session is
+its own), and the trainer trusts nothing a worker says about itself but the text it returns:
+tool calls are read off the code the trainer sent (`rlmtrain.rlm.code_calls`).
 """
 
 from __future__ import annotations
 
-import functools
 import io
-import reprlib
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from rlmtrain.rlm.protocol import MAX_PROMPTS_PER_QUERY
-from rlmtrain.rlm.records import ToolCall
 
-__all__ = ["MAX_RECORDED_CALLS", "FinalAnswer", "OutputCapture", "Toolbox", "clip_text"]
-
-MAX_RECORDED_CALLS = 256
-"""Calls recorded per exec; a loop calling a tool a million times is summarised, not shipped."""
-
-_ARGS_REPR_CHARS = 200
-_args_repr = reprlib.Repr()
-_args_repr.maxstring = 80
-_args_repr.maxother = 60
-_args_repr.maxlevel = 2
+__all__ = ["FinalAnswer", "OutputCapture", "Toolbox", "clip_text"]
 
 
 def clip_text(text: str, limit: int) -> str:
@@ -97,7 +91,9 @@ AskFn = Callable[[list[str], list[Any]], list[str]]
 
 
 class Toolbox:
-    """The builtins and tools of one worker, and what they recorded during the current exec."""
+    """The builtins and tools of one worker. It records nothing about the calls made: what a
+    worker says of its own run is model code's to forge, so the trainer reads the tool calls off
+    the code it sent (`rlmtrain.rlm.code_calls`)."""
 
     def __init__(
         self, *, tools: dict[str, Callable], context: Any, ask: AskFn, model_globals: dict
@@ -107,9 +103,7 @@ class Toolbox:
         self._query_lock = threading.Lock()
         self._exec_running = False
         self.final: str | None = None
-        self.calls: list[ToolCall] = []
-        self._dropped_calls = 0
-        self.names: dict[str, Any] = {name: self._recorded(name, fn) for name, fn in tools.items()}
+        self.names: dict[str, Any] = dict(tools)
         self.names.update(
             context=context,
             FINAL=self.FINAL,
@@ -122,38 +116,13 @@ class Toolbox:
 
     def begin_exec(self) -> None:
         self.final = None
-        self.calls = []
-        self._dropped_calls = 0
         self._globals.update(self.names)
         with self._query_lock:
             self._exec_running = True
 
-    def end_exec(self) -> list[ToolCall]:
+    def end_exec(self) -> None:
         with self._query_lock:
             self._exec_running = False
-        calls = self.calls
-        if self._dropped_calls:
-            calls = [
-                *calls,
-                ToolCall(name="...", args=f"{self._dropped_calls} more calls not recorded"),
-            ]
-        return calls
-
-    def _record(self, name: str, args: str) -> None:
-        if len(self.calls) < MAX_RECORDED_CALLS:
-            self.calls.append(ToolCall(name=name, args=args[:_ARGS_REPR_CHARS]))
-        else:
-            self._dropped_calls += 1
-
-    def _recorded(self, name: str, fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def tool(*args, **kwargs):
-            parts = [_args_repr.repr(a) for a in args]
-            parts += [f"{k}={_args_repr.repr(v)}" for k, v in kwargs.items()]
-            self._record(name, ", ".join(parts))
-            return fn(*args, **kwargs)
-
-        return tool
 
     # ---- the builtins model code sees -------------------------------------------------------
 
@@ -179,7 +148,6 @@ class Toolbox:
         its answer."""
         if not isinstance(prompt, str):
             raise TypeError(f"rlm_query: prompt must be a str, got {type(prompt).__name__}")
-        self._record("rlm_query", _args_repr.repr(prompt))
         return self._query([prompt], [context])[0]
 
     def rlm_query_batched(
@@ -200,7 +168,6 @@ class Toolbox:
                 f"rlm_query_batched: {len(prompts)} prompts, over the limit of "
                 f"{MAX_PROMPTS_PER_QUERY} per call"
             )
-        self._record("rlm_query_batched", _args_repr.repr(prompts))
         if not prompts:
             return []
         return self._query(prompts, contexts)

@@ -16,8 +16,6 @@ from typing import Annotated, Any
 
 import msgspec
 
-from rlmtrain.rlm.records import ToolCall
-
 __all__ = [
     "HEADER",
     "MAX_PROMPTS_PER_QUERY",
@@ -152,7 +150,6 @@ class Done(msgspec.Struct, tag=True, kw_only=True):
     output: str
     error: str
     final: str | None
-    calls: list[ToolCall]
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -29,11 +29,12 @@ FinishReason = Literal["final", "max_turns", "context", "timeout", "error", "abo
 
 
 class ToolCall(msgspec.Struct, kw_only=True):
-    """One call of an environment tool (or builtin) made by a turn's code."""
+    """One call of an environment tool (or builtin) written in a turn's code."""
 
     name: str
     args: str = ""
-    """A short repr of the arguments, for credit judges and the exploration bonus."""
+    """The arguments as the code writes them (clipped), for credit judges and the exploration
+    bonus."""
 
 
 class Turn(msgspec.Struct, kw_only=True):
@@ -50,6 +51,8 @@ class Turn(msgspec.Struct, kw_only=True):
     error: str = ""
     """The REPL error text of this turn ('' if it ran cleanly)."""
     tool_calls: list[ToolCall] = []
+    """The tool and builtin calls in `code`, in source order (`rlm.code_calls`): read by the
+    trainer off the code it sent, never taken from the worker's word."""
     started: float = 0.0
     """Unix time the turn's engine request was issued."""
     ended: float = 0.0

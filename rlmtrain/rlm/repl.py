@@ -57,7 +57,7 @@ from typing import Any
 
 import msgspec
 
-from rlmtrain.rlm.builtins import MAX_RECORDED_CALLS, clip_text
+from rlmtrain.rlm.builtins import clip_text
 from rlmtrain.rlm.control import ControlChannel
 from rlmtrain.rlm.protocol import (
     HEADER,
@@ -77,7 +77,6 @@ from rlmtrain.rlm.protocol import (
     WorkerLimits,
     encode_frame,
 )
-from rlmtrain.rlm.records import ToolCall
 from rlmtrain.rlm.teardown import remove_tree
 
 __all__ = ["DEFAULT_PRELOAD", "ExecResult", "QueryHandler", "ReplLimits", "Session", "Zygote"]
@@ -144,8 +143,6 @@ class ExecResult(msgspec.Struct, kw_only=True):
     """'' or the error text shown to the model (traceback tail, timeout, killed...)."""
     final: str | None
     """The answer if FINAL/FINAL_VAR executed in this exec, else None."""
-    calls: list[ToolCall]
-    """Tool and rlm_query calls made."""
     dead: bool
     """The worker is gone (timeout, limit, crash, protocol violation); the session is unusable."""
 
@@ -580,10 +577,8 @@ class Session:
                 self._death = f"REPL worker died: {reason}; this session is over."
         return self._death
 
-    def _dead_result(self, calls: list[ToolCall] | None = None) -> ExecResult:
-        return ExecResult(
-            output="", error=self._death or "", final=None, calls=calls or [], dead=True
-        )
+    def _dead_result(self) -> ExecResult:
+        return ExecResult(output="", error=self._death or "", final=None, dead=True)
 
     async def exec(self, code: str, on_query: QueryHandler | None = None) -> ExecResult:
         """Run code in the worker. Returns dead=True (with the reason in error) if the worker is
@@ -592,7 +587,7 @@ class Session:
         async with self._lock:
             if self._closed:
                 return ExecResult(
-                    output="", error="this REPL session is closed", final=None, calls=[], dead=True
+                    output="", error="this REPL session is closed", final=None, dead=True
                 )
             if self._death is not None:
                 return self._dead_result()
@@ -610,7 +605,6 @@ class Session:
                             output=clip_text(message.output, self._limits.output_limit_chars + 100),
                             error=clip_text(message.error, self._limits.output_limit_chars + 100),
                             final=message.final,
-                            calls=message.calls[: MAX_RECORDED_CALLS + 1],
                             dead=False,
                         )
                     if (

@@ -255,7 +255,7 @@ class _Worker:
             sys.stdout, sys.stderr = self.real_streams
             # The worker's own code below needs the real builtins too.
             self.restore_builtins()
-        calls = self.toolbox.end_exec()
+        self.toolbox.end_exec()
         final = self.toolbox.final
         # Four bytes per char at most in UTF-8, and room left for the rest of the frame.
         final_limit = self.limits.max_frame_bytes // 8
@@ -270,7 +270,6 @@ class _Worker:
             output=_wire_safe(capture.getvalue()),
             error=_wire_safe(clip_text(error, self.limits.output_limit_chars)),
             final=None if final is None else _wire_safe(final),
-            calls=calls,
         )
 
     def serve(self) -> None:
@@ -283,7 +282,7 @@ class _Worker:
             try:
                 done = self.run(request)
             except MemoryError:
-                done = Done(id=request.id, output="", error="MemoryError", final=None, calls=[])
+                done = Done(id=request.id, output="", error="MemoryError", final=None)
             self.channel.send(done)
 
 
