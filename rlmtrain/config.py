@@ -338,7 +338,13 @@ class JudgeConfig(_Section):
     backoff_max_s: Annotated[float, _doc("longest backoff delay in seconds", ge=0)] = 30.0
     temperature: Annotated[float, _doc("judge sampling temperature", ge=0)] = 0.0
     max_tokens: Annotated[int, _doc("judge reply token limit", ge=1)] = 512
-    json_mode: Annotated[bool, _doc("send response_format={'type': 'json_object'}")] = True
+    response_format: Annotated[
+        Literal["json_schema", "json_object", "none"],
+        _doc(
+            "ask for the reply type's JSON schema (json_object if the server refuses it with "
+            "HTTP 400), any JSON object, or nothing; replies are validated either way"
+        ),
+    ] = "json_schema"
     cache_path: Annotated[str, _doc("JSONL cache of replies across runs; empty = memory only")] = ""
     on_unscored: Annotated[
         Literal["span_f1", "drop"],

@@ -1,8 +1,10 @@
 """RubricJudge and its chat client against a real HTTP server on 127.0.0.1.
 
 The server reads a `case:<name>` marker from the query and plays that case: a good reply, a
-malformed one, a slow one, a 429 with Retry-After, a 500, a 400, a chunked body. It records every
-request it sees, so retries and cache hits are asserted by counting what reached it.
+malformed one, a slow one, a 429 or 503 with Retry-After, a 500, a 400, a body chunked, sent
+without a length until close, trickled, cut short, a reset connection, a body that is not JSON.
+It records every request it sees, so retries and cache hits are asserted by counting what
+reached it.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored, post_json
+from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored
 from rlmtrain.rewards.judge import RubricJudge, RubricReply
 from rlmtrain.rewards.span_f1 import span_f1
 
 GOOD = {"precision": 8, "recall": 6, "reason": "mostly right"}
 GOOD_SCORE = (8 - 1 + 6 - 1) / 18
+LONG_GOOD = {**GOOD, "reason": "mostly right " * 380}  # a ~5 kB body
 
 
 class JudgeServer:
@@ -102,7 +105,61 @@ class JudgeServer:
             return self.reply(handler, 400, b'{"error": "bad model"}')
         if case == "chunked":
             return self.reply_chunked(handler, completion(json.dumps(GOOD)))
+        if case == "until_close":  # no Content-Length, not chunked: the body ends at close
+            return self.reply_until_close(handler, completion(json.dumps(LONG_GOOD)))
+        if case == "trickled":
+            return self.reply_until_close(handler, completion(json.dumps(GOOD)), pause_s=0.02)
+        if case == "cut_off_once":
+            if nth == 1:
+                payload = completion(json.dumps(GOOD))
+                return self.reply_cut_off(handler, payload)
+            return self.reply(handler, 200, completion(json.dumps(GOOD)))
+        if case == "reset_once":
+            if nth == 1:
+                return self.reset(handler)
+            return self.reply(handler, 200, completion(json.dumps(GOOD)))
+        if case == "not_json_once":
+            if nth == 1:
+                return self.reply(handler, 200, b"<html>gateway hiccup</html>")
+            return self.reply(handler, 200, completion(json.dumps(GOOD)))
+        if case == "unavailable_once":
+            if nth == 1:
+                return self.reply(handler, 503, b"busy", {"Retry-After": "1"})
+            return self.reply(handler, 200, completion(json.dumps(GOOD)))
         raise AssertionError(f"unknown case {case}")
+
+    @staticmethod
+    def reply_until_close(handler, payload: bytes, pause_s: float = 0.0) -> None:
+        handler.close_connection = True
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.wfile.flush()
+        for i in range(0, len(payload), 100):
+            handler.wfile.write(payload[i : i + 100])
+            handler.wfile.flush()
+            time.sleep(pause_s or 0.001)
+
+    @staticmethod
+    def reply_cut_off(handler, payload: bytes) -> None:
+        handler.close_connection = True
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(payload)))
+        handler.end_headers()
+        handler.wfile.write(payload[: len(payload) // 2])
+        handler.wfile.flush()
+
+    @staticmethod
+    def reset(handler) -> None:
+        import socket
+        import struct
+
+        handler.close_connection = True
+        # SO_LINGER 0: close() sends RST instead of FIN.
+        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        handler.connection.close()
 
     @staticmethod
     def reply(handler, status: int, payload: bytes, headers: dict | None = None) -> None:
@@ -253,10 +310,22 @@ def test_persistent_500_is_dropped_when_configured(server):
 
 
 def test_400_is_not_retried(server):
-    judge = make_judge(server, on_unscored="drop")
+    judge = make_judge(server, on_unscored="drop", response_format="json_object")
     result = run(judge.score("case:bad_request q", TRUTH, "p"))
     assert result.score is None and "HTTP 400" in result.reason
     assert server.count("bad_request") == 1
+    # Asked with a schema, a 400 is first taken for a server without structured output.
+    schema_judge = make_judge(server, on_unscored="drop")
+    result = run(schema_judge.score("case:bad_request q", TRUTH, "p"))
+    assert result.score is None and "HTTP 400" in result.reason
+    assert server.count("bad_request") == 3
+
+
+def test_503_waits_for_retry_after(server):
+    judge = make_judge(server)
+    assert run(judge.score("case:unavailable_once q", TRUTH, "p")).method == "judge"
+    first, second = server.seen["unavailable_once"]
+    assert second - first >= 0.9
 
 
 def test_missing_answer_is_zero_without_a_request(server):
@@ -297,5 +366,75 @@ def test_unreachable_server_is_unscored(server):
 def test_bad_base_url_fails_at_construction():
     with pytest.raises(ValueError, match="judge.base_url must be"):
         ChatClient(JudgeConfig(base_url="localhost:8000/v1"))
-    with pytest.raises(ValueError, match="unsupported URL"):
-        run(post_json("ftp://host/x", b"{}", {}, 1.0))
+
+
+@pytest.mark.parametrize("case", ["until_close", "trickled"])
+def test_a_body_without_a_length_is_read_to_its_end(server, case):
+    judge = make_judge(server, timeout_s=5.0)
+    result = run(judge.score(f"case:{case} q", TRUTH, "p"))
+    assert result.method == "judge" and result.score == pytest.approx(GOOD_SCORE)
+    expected = LONG_GOOD["reason"] if case == "until_close" else GOOD["reason"]
+    assert result.reason == expected
+    assert server.count(case) == 1
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("cut_off_once", "connection error"),
+        ("reset_once", "connection error"),
+        ("not_json_once", "malformed"),
+        ("unavailable_once", "HTTP 503"),
+    ],
+)
+def test_a_failed_attempt_is_retried_and_then_scored(server, case, reason):
+    judge = make_judge(server, timeout_s=2.0, on_unscored="drop", max_retries=0)
+    failed = run(judge.score(f"case:{case} q", TRUTH, "p"))
+    assert failed.method == "unscored" and reason in failed.reason, failed.reason
+    retried = make_judge(server, timeout_s=2.0)
+    result = run(retried.score(f"case:{case} q", TRUTH, "p"))
+    assert result.method == "judge" and result.score == pytest.approx(GOOD_SCORE)
+
+
+def test_connections_are_kept_alive_across_calls(server):
+    judge = make_judge(server, max_concurrency=2)
+    predictions = [f"answer {i}" for i in range(8)]
+
+    async def both():
+        await judge.score_many("case:good q", TRUTH, predictions[:4])
+        await judge.score_many("case:good q", TRUTH, predictions[4:])
+        await judge.client.aclose()
+
+    run(both())
+    stats = judge.client.stats
+    assert stats.requests == 8 and 1 <= stats.connections <= 2, stats
+
+
+def test_the_reply_schema_is_sent_and_a_refusal_falls_back_to_json_object(server):
+    formats = []
+
+    def picky(nth, body):
+        formats.append(body.get("response_format", {}).get("type"))
+        if formats[-1] == "json_schema":
+            return 400, b'{"error": "response_format json_schema is not supported"}'
+        return 200, completion(json.dumps(GOOD))
+
+    server.handlers["picky"] = picky
+    judge = make_judge(server)
+    assert run(judge.score("case:picky q", TRUTH, "p")).method == "judge"
+    assert run(judge.score("case:picky other", TRUTH, "p")).method == "judge"
+    assert formats == ["json_schema", "json_object", "json_object"]
+
+    schemas = []
+
+    def record(nth, body):
+        schemas.append(body["response_format"])
+        return 200, completion(json.dumps(GOOD))
+
+    server.handlers["schema"] = record
+    run(make_judge(server).score("case:schema q", TRUTH, "p"))
+    [sent] = schemas
+    schema = sent["json_schema"]["schema"]
+    assert sent["type"] == "json_schema" and sent["json_schema"]["name"] == "RubricReply"
+    assert schema["type"] == "object" and schema["required"] == ["precision", "recall"]
+    assert schema["properties"]["precision"] == {"type": "integer", "minimum": 1, "maximum": 10}

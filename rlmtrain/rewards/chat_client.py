@@ -1,10 +1,16 @@
 """An async client for OpenAI-compatible `/v1/chat/completions` endpoints, shared by every judge.
 
-Why its own HTTP: the base install has no async HTTP library, and a judge only ever needs one
-request shape (POST a JSON body, read a JSON reply), so a small HTTP/1.1 client over
-`asyncio.open_connection` does the job without a thread per request. One connection per request
-(`Connection: close`): judge calls last seconds, a TCP handshake is noise beside them. Replies may
-come with Content-Length, chunked, or until close; `https` URLs use the default SSL context.
+HTTP is httpx's: one `AsyncClient` per event loop, keeping connections alive between calls (up
+to `max_concurrency` of them), honouring the usual proxy variables (HTTPS_PROXY, NO_PROXY...),
+reading bodies framed any way HTTP/1.1 allows (Content-Length, chunked, until close) and refusing
+one cut short. A reply body is read up to 16 MiB; each attempt, connection included, has
+`timeout_s` in all.
+
+Structured output: with `judge.response_format = "json_schema"` the request carries the reply
+type's JSON schema (from msgspec), which servers with guided decoding (vLLM, OpenAI) enforce; a
+server that answers that request with HTTP 400 is asked again with `json_object`, and this client
+keeps to that from then on. Whatever the server enforces, every reply is still decoded and
+validated here.
 
 What a judge gets from `complete_json`: a reply decoded *and validated* into a msgspec type, or an
 `Unscored` carrying the reason. Never a made-up number: a judge that cannot be reached must be
@@ -21,33 +27,27 @@ raising the delay to what the server asked (capped at backoff_max); other 4xx ar
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import email.utils
 import hashlib
+import logging
 import os
 import random
-import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+import httpx
 import msgspec
 
 from rlmtrain.config import JudgeConfig
 
-__all__ = [
-    "ChatClient",
-    "ChatStats",
-    "HttpResponse",
-    "JudgeConfig",
-    "Unscored",
-    "extract_json_object",
-    "post_json",
-]
+__all__ = ["ChatClient", "ChatStats", "JudgeConfig", "Unscored", "extract_json_object"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("rlmtrain")
 
 _MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -66,98 +66,8 @@ class ChatStats(msgspec.Struct, kw_only=True):
     failures: int = 0
     """Calls that ended Unscored."""
     cache_hits: int = 0
-
-
-class HttpResponse(msgspec.Struct, frozen=True):
-    status: int
-    headers: dict[str, str]
-    """Lower-cased header names."""
-    body: bytes
-
-
-class HttpProtocolError(ConnectionError):
-    """The server's bytes were not a valid HTTP/1.1 response."""
-
-
-async def post_json(
-    url: str, payload: bytes, headers: dict[str, str], timeout_s: float
-) -> HttpResponse:
-    """POST `payload` as application/json over HTTP/1.1, the whole exchange within timeout_s."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"post_json: unsupported URL {url!r} (need http:// or https://host)")
-    secure = parts.scheme == "https"
-    port = parts.port or (443 if secure else 80)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    head = [
-        f"POST {target} HTTP/1.1",
-        f"Host: {parts.hostname}:{port}",
-        "Content-Type: application/json",
-        "Accept: application/json",
-        f"Content-Length: {len(payload)}",
-        "Connection: close",
-        *(f"{k}: {v}" for k, v in headers.items()),
-    ]
-    request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload
-    async with asyncio.timeout(timeout_s):
-        reader, writer = await asyncio.open_connection(
-            parts.hostname, port, ssl=ssl.create_default_context() if secure else None
-        )
-        try:
-            writer.write(request)
-            await writer.drain()
-            return await _read_response(reader)
-        finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-
-async def _read_response(reader: asyncio.StreamReader) -> HttpResponse:
-    status_line = (await reader.readline()).decode("latin-1").rstrip("\r\n")
-    version, _, rest = status_line.partition(" ")
-    code = rest.partition(" ")[0]
-    if not version.startswith("HTTP/1.") or not code.isdigit():
-        raise HttpProtocolError(f"bad status line {status_line!r}")
-    headers: dict[str, str] = {}
-    while True:
-        line = (await reader.readline()).decode("latin-1").rstrip("\r\n")
-        if not line:
-            break
-        name, colon, value = line.partition(":")
-        if not colon:
-            raise HttpProtocolError(f"bad header line {line!r}")
-        headers[name.strip().lower()] = value.strip()
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        body = await _read_chunked(reader)
-    elif "content-length" in headers:
-        length = int(headers["content-length"])
-        if length > _MAX_BODY_BYTES:
-            raise HttpProtocolError(f"body of {length} bytes is over the limit")
-        body = await reader.readexactly(length)
-    else:
-        body = await reader.read(_MAX_BODY_BYTES)
-    return HttpResponse(int(code), headers, body)
-
-
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        size_line = (await reader.readline()).split(b";")[0].strip()
-        try:
-            size = int(size_line, 16)
-        except ValueError:
-            raise HttpProtocolError(f"bad chunk size {size_line!r}") from None
-        if size == 0:
-            while (await reader.readline()).strip():  # trailers
-                pass
-            return b"".join(chunks)
-        total += size
-        if total > _MAX_BODY_BYTES:
-            raise HttpProtocolError("chunked body over the limit")
-        chunks.append(await reader.readexactly(size))
-        await reader.readexactly(2)
+    connections: int = 0
+    """TCP connections opened: fewer than requests when keep-alive works."""
 
 
 def _retry_after_s(value: str | None) -> float | None:
@@ -208,6 +118,21 @@ class _Fatal(Exception):
     """A reply that retrying cannot fix (a 4xx other than 429)."""
 
 
+class _SchemaRefused(Exception):
+    """HTTP 400 to a request with a json_schema response format."""
+
+
+def _schema(reply_type: Any) -> dict[str, Any]:
+    """The reply type's JSON schema with the type itself at the root (msgspec puts a $ref there,
+    which not every guided-decoding backend follows)."""
+    schema = msgspec.json.schema(reply_type)
+    defs = schema.get("$defs", {})
+    root = schema.get("$ref", "").rpartition("/")[2]
+    if root not in defs:
+        return schema
+    return {**defs[root], "$defs": defs}
+
+
 class ChatClient:
     """Chat completions with a validated JSON reply; see the module doc for the retry contract."""
 
@@ -234,8 +159,10 @@ class ChatClient:
         self._cache_file = Path(config.cache_path) if config.cache_path else None
         if self._cache_file is not None and self._cache_file.exists():
             self._load_cache(self._cache_file)
+        self._response_format = config.response_format
         self._semaphore: asyncio.Semaphore | None = None
-        self._semaphore_loop: asyncio.AbstractEventLoop | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _load_cache(self, path: Path) -> None:
         decoder = msgspec.json.Decoder(_CacheLine)
@@ -282,13 +209,7 @@ class ChatClient:
             else:
                 self.stats.cache_hits += 1
                 return reply
-        loop = asyncio.get_running_loop()
-        if self._semaphore is None or self._semaphore_loop is not loop:
-            # A semaphore belongs to one event loop; a client reused under a new loop
-            # (asyncio.run per step, tests) gets a fresh one.
-            self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
-            self._semaphore_loop = loop
-        body = self._request_body(messages)
+        self._bind_to_running_loop()
         last_error = ""
         delay_s = 0.0
         for attempt in range(self.config.max_retries + 1):
@@ -296,8 +217,13 @@ class ChatClient:
                 self.stats.retries += 1
                 await asyncio.sleep(delay_s)
             try:
-                content = await self._attempt(body)
+                content = await self._attempt(self._request_body(messages, reply_type))
                 reply = _decode(content, reply_type, check)
+            except _SchemaRefused as exc:
+                log.warning("judge: %s; asking for json_object replies instead", exc)
+                self._response_format = "json_object"
+                last_error = str(exc)
+                continue
             except _Retryable as exc:
                 last_error = str(exc)
                 delay_s = self._backoff(attempt, exc.delay_s)
@@ -314,7 +240,37 @@ class ChatClient:
         self.stats.failures += 1
         return Unscored(f"gave up after {self.config.max_retries + 1} attempts: {last_error}")
 
-    def _request_body(self, messages: list[dict[str, str]]) -> bytes:
+    def _bind_to_running_loop(self) -> None:
+        """A semaphore and a connection pool belong to one event loop; a client reused under a
+        new loop (asyncio.run per step, tests) gets fresh ones."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        self._loop = loop
+        self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
+        pool = self.config.max_concurrency
+        self._http = httpx.AsyncClient(
+            headers={"Accept": "application/json", **self._headers},
+            timeout=httpx.Timeout(self.config.timeout_s),
+            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
+            trust_env=True,
+            event_hooks={"request": [self._on_request]},
+        )
+
+    async def _on_request(self, request: httpx.Request) -> None:
+        self.stats.requests += 1
+
+    async def _trace(self, event: str, info: dict[str, Any]) -> None:
+        if event == "connection.connect_tcp.complete":
+            self.stats.connections += 1
+
+    async def aclose(self) -> None:
+        """Close the connections kept alive (they belong to the loop that made them)."""
+        if self._http is not None and self._loop is asyncio.get_running_loop():
+            await self._http.aclose()
+        self._http = self._loop = None
+
+    def _request_body(self, messages: list[dict[str, str]], reply_type: Any) -> bytes:
         c = self.config
         request: dict[str, Any] = {
             "model": c.model,
@@ -322,37 +278,63 @@ class ChatClient:
             "temperature": c.temperature,
             "max_tokens": c.max_tokens,
         }
-        if c.json_mode:
+        if self._response_format == "json_schema":
+            request["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": reply_type.__name__, "schema": _schema(reply_type)},
+            }
+        elif self._response_format == "json_object":
             request["response_format"] = {"type": "json_object"}
         return msgspec.json.encode(request)
 
     async def _attempt(self, body: bytes) -> str:
         """One HTTP attempt; returns the reply's message content or raises _Retryable/_Fatal."""
-        assert self._semaphore is not None
+        assert self._semaphore is not None and self._http is not None
         async with self._semaphore:
-            self.stats.requests += 1
             try:
-                response = await post_json(self.url, body, self._headers, self.config.timeout_s)
-            except TimeoutError:
+                async with asyncio.timeout(self.config.timeout_s):
+                    status, headers, payload = await self._post(body)
+            except (TimeoutError, httpx.TimeoutException):
                 self.stats.timeouts += 1
                 raise _Retryable(f"timeout after {self.config.timeout_s}s") from None
-            except (OSError, asyncio.IncompleteReadError, HttpProtocolError) as exc:
-                raise _Retryable(f"connection error: {exc!r}") from None
-        status = response.status
+            except httpx.TransportError as exc:  # refused, reset, cut short, not HTTP
+                raise _Retryable(f"connection error: {type(exc).__name__}: {exc}") from None
         if status == 429 or status >= 500:
             raise _Retryable(
-                f"HTTP {status}: {response.body[:200]!r}",
-                _retry_after_s(response.headers.get("retry-after")),
+                f"HTTP {status}: {payload[:200]!r}", _retry_after_s(headers.get("retry-after"))
             )
+        if status == 400 and self._response_format == "json_schema":
+            raise _SchemaRefused(f"HTTP 400 to a json_schema request: {payload[:200]!r}")
         if status != 200:
-            raise _Fatal(f"HTTP {status} (not retried): {response.body[:200]!r}")
+            raise _Fatal(f"HTTP {status} (not retried): {payload[:200]!r}")
         try:
-            completion = msgspec.json.decode(response.body, type=_Completion)
+            completion = msgspec.json.decode(payload, type=_Completion)
         except msgspec.DecodeError as exc:
             raise _Retryable(f"malformed completion body: {exc}") from None
         if not completion.choices or not completion.choices[0].message.content:
             raise _Retryable("completion has no message content")
         return completion.choices[0].message.content
+
+    async def _post(self, body: bytes) -> tuple[int, httpx.Headers, bytes]:
+        assert self._http is not None
+        request = self._http.build_request(
+            "POST",
+            self.url,
+            content=body,
+            headers={"Content-Type": "application/json"},
+            extensions={"trace": self._trace},
+        )
+        response = await self._http.send(request, stream=True)
+        try:
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > _MAX_BODY_BYTES:
+                    raise _Retryable(f"reply body over {_MAX_BODY_BYTES} bytes")
+                chunks.append(chunk)
+        finally:
+            await response.aclose()
+        return response.status_code, response.headers, b"".join(chunks)
 
     def _backoff(self, attempt: int, retry_after_s: float | None) -> float:
         c = self.config
