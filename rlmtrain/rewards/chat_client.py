@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import hashlib
+import json
 import logging
 import os
 import random
@@ -345,11 +346,21 @@ class ChatClient:
 
 
 def _decode(content: str, reply_type: type[T], check: Callable[[T], None] | None) -> T:
-    """Decode and validate a reply's JSON object; every failure is a ValueError."""
+    """Decode and validate a reply's JSON object; every failure is a ValueError. Raw control
+    characters inside strings (a newline in a reason), which strict JSON forbids and models
+    write, are read as themselves."""
+    text = extract_json_object(content)
     try:
-        reply = msgspec.json.decode(extract_json_object(content), type=reply_type)
-    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        reply = msgspec.json.decode(text, type=reply_type)
+    except msgspec.ValidationError as exc:
         raise ValueError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        try:
+            reply = msgspec.convert(json.loads(text, strict=False), type=reply_type)
+        except json.JSONDecodeError:
+            raise ValueError(str(exc)) from None
+        except msgspec.ValidationError as invalid:
+            raise ValueError(str(invalid)) from None
     if check is not None:
         check(reply)
     return reply

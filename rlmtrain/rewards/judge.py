@@ -47,12 +47,15 @@ Reply with exactly one JSON object and nothing else:
 {"precision": <1-10>, "recall": <1-10>, "reason": "<one sentence>"}"""
 
 Rating = Annotated[int, msgspec.Meta(ge=1, le=10)]
+Reason = Annotated[str, msgspec.Meta(max_length=400)]
+"""The judge's one sentence. Bounded so that a server decoding to the reply's schema ends the
+string: a guided decoder lets an unbounded string run to max_tokens, and a cut reply is no JSON."""
 
 
 class RubricReply(msgspec.Struct, kw_only=True):
     precision: Rating
     recall: Rating
-    reason: str = ""
+    reason: Reason = ""
 
 
 class JudgeScore(msgspec.Struct, kw_only=True):
@@ -127,7 +130,7 @@ Reply with exactly one JSON object and nothing else:
 
 class ProofReply(msgspec.Struct, kw_only=True):
     verdict: Literal["pass", "fail"]
-    reason: str = ""
+    reason: Reason = ""
 
 
 class ProofVerdict(msgspec.Struct, kw_only=True):

@@ -1,0 +1,118 @@
+"""The rubric judge scored end to end by vLLM's own OpenAI-compatible server, on this machine.
+
+The server is started as a user would (`python -m vllm.entrypoints.openai.api_server`) on a tiny
+random model saved by `save_hf` with a BPE tokenizer and its chat template. A random model writes
+noise, so every reply that scores does so because the server decoded to the JSON schema the
+client sent (`judge.response_format = "json_schema"`): integers within 1-10, a bounded reason.
+The server's whitespace is turned off (`disable_any_whitespace`): under a schema, a random model
+would otherwise fill max_tokens with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rlmtrain.config import JudgeConfig, ModelConfig
+from rlmtrain.devices import HAS_VLLM
+from rlmtrain.model import build_model, save_hf
+from rlmtrain.model.bpe import tokenizer_files, train_bpe
+from rlmtrain.rewards.judge import RubricJudge
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")]
+
+START_TIMEOUT_S = 300.0
+TEXTS = [
+    '{"precision": 7, "recall": 3, "reason": "the prediction names one of the datasets"}',
+    "You grade answers that quote evidence passages for a query.",
+] * 40
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def judge_url(tmp_path_factory):
+    root = tmp_path_factory.mktemp("judge-vllm")
+    train_bpe(TEXTS, 300, root / "tokenizer")
+    model = build_model(ModelConfig(preset="tiny", seed=0, dtype="float32", vocab_size=384))
+    save_hf(model, root / "model", extra_files=tokenizer_files(root / "tokenizer"))
+    port = free_port()
+    log = open(root / "server.log", "wb")  # noqa: SIM115 (closed at teardown)
+    server = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "vllm.entrypoints.openai.api_server"),
+            *("--model", str(root / "model"), "--served-model-name", "judge"),
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"),
+            *(
+                "--structured-outputs-config",
+                '{"backend": "xgrammar", "disable_any_whitespace": true}',
+            ),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        began = time.monotonic()
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vLLM's server exited: {_tail(root / 'server.log')}")
+            if time.monotonic() - began > START_TIMEOUT_S:
+                pytest.fail(f"vLLM's server not up in {START_TIMEOUT_S:g} s")
+            try:
+                if httpx.get(f"{url}/models", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(1.0)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-2000:]
+
+
+def test_rubric_replies_decoded_to_the_schema_are_scored(judge_url):
+    judge = RubricJudge(
+        JudgeConfig(base_url=judge_url, model="judge", timeout_s=120.0, max_retries=0)
+    )
+    predictions = ["SQuAD", "SQuAD and HotpotQA", "nothing relevant", "HotpotQA"]
+
+    async def score():
+        try:
+            return await judge.score_many("Which datasets?", "SQuAD and HotpotQA", predictions)
+        finally:
+            await judge.client.aclose()
+
+    results = asyncio.run(score())
+    for result in results:
+        assert result.method == "judge", result.reason
+        assert 1 <= result.precision <= 10 and 1 <= result.recall <= 10
+        assert result.score == (result.precision - 1 + result.recall - 1) / 18
+    stats = judge.client.stats
+    # No retry and no fallback to json_object: the server took the schema and kept to it.
+    assert (stats.requests, stats.retries, stats.failures) == (4, 0, 0), stats
