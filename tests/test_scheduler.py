@@ -448,3 +448,43 @@ def test_a_tree_that_breaks_its_teardown_costs_only_itself(tmp_path: Path) -> No
     deep, calm = run(scheduler, engine, tmp_path, tasks=tasks, n_samples=2)
     assert [t.answer for t in calm.roots] == ["fine", "fine"]
     assert [t.finish_reason for t in deep.roots] == ["final", "final"]
+
+
+def test_injected_faults_cost_only_the_trees_they_touch(tmp_path: Path) -> None:
+    """Engine calls that raise or never return and workers killed mid-exec: every tree ends
+    (error or timeout where a fault hit it, final elsewhere), the faults are counted, nothing
+    leaks, and the rollout returns every group."""
+    from collections import Counter
+
+    from rlmtrain.rollout.faults import FaultPlan, FaultyEngine, killing_workers
+
+    def script(query: str, turn: int) -> str:
+        if query == "ROOT":
+            if turn == 0:
+                return code("a = rlm_query_batched(['c1', 'c2', 'c3'])", "print(a)")
+            return code("FINAL('|'.join(a))")
+        return code("import time", "time.sleep(0.1)", "FINAL('ok')")
+
+    scheduler, engine = make(script, max_turns=3, tree_timeout_s=3.0)
+    plan = FaultPlan(engine_error=0.08, engine_hang=0.04, worker_kill=0.15, seed=3)
+    faulty = FaultyEngine(engine, plan)
+    kills: Counter[str] = Counter()
+    scheduler = Scheduler(
+        faulty,
+        TOKENIZER,
+        scheduler.config,
+        start_zygote=killing_workers(scheduler.start_zygote, plan, kills),
+    )
+    tasks = [Task(id=f"t{i}", query="ROOT") for i in range(6)]
+    groups = run(scheduler, engine, tmp_path, tasks=tasks, n_samples=2)
+    assert [g.task.id for g in groups] == [t.id for t in tasks]
+    roots = [t for g in groups for t in g.roots]
+    everyone = [t for g in groups for t in g.trajectories]
+    assert len(roots) == 12
+    reasons = Counter(t.finish_reason for t in everyone)
+    assert set(reasons) <= {"final", "error", "timeout", "max_turns"}, reasons
+    assert faulty.injected["engine_error"] and faulty.injected["engine_hang"] and kills
+    assert reasons["error"] >= faulty.injected["engine_error"] // 2
+    assert reasons["timeout"] >= 1
+    untouched = [r for r in roots if r.finish_reason == "final" and r.answer == "ok|ok|ok"]
+    assert untouched, "every tree was hit: the faults are too dense for the test to mean much"
