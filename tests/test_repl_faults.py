@@ -214,3 +214,38 @@ def test_a_sub_query_loop_cannot_stall_the_event_loop(temp_dir):
         await session.close()
 
     run_with_zygote(body, temp_dir)
+
+
+TRAINER = """
+import asyncio, sys
+from rlmtrain.rlm.repl import Zygote
+
+async def main():
+    zygote = await Zygote.start(context="ctx", tool_modules=["textwrap"], temp_dir=sys.argv[1])
+    session = await zygote.session()
+    await session.exec("import os\\nos.makedirs('a/b/c')\\nopen('a/b/c/f', 'w').write('x')")
+    print(zygote.temp_root, flush=True)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("signum", [9, 15])
+def test_a_killed_trainer_leaves_no_zygote_worker_or_directory(temp_dir, signum):
+    import subprocess
+    import sys
+
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, temp_dir], stdout=subprocess.PIPE, text=True
+    )
+    temp_root = trainer.stdout.readline().strip()
+    assert os.path.isdir(temp_root)
+    trainer.send_signal(signum)
+    trainer.wait(10)
+    trainer.stdout.close()
+    deadline = time.monotonic() + 10.0
+    while os.path.exists(temp_root) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(temp_root)
+    # The fixture then checks that no process below this one is left either.

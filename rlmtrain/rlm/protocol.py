@@ -68,6 +68,9 @@ class Boot(msgspec.Struct, tag=True, kw_only=True):
     context: bytes
     """The pickled context, loaded once in the zygote and shared copy-on-write by its workers."""
     limits: WorkerLimits
+    temp_root: str
+    """The directory holding the workers' directories: the zygote removes it if the trainer
+    dies without closing it."""
 
 
 class Spawn(msgspec.Struct, tag=True, kw_only=True):

@@ -34,7 +34,9 @@ Design (process side in `rlmtrain.rlm.worker`, jail in `csrc/jail.c`):
   by `teardown.remove_tree` in a thread (however deep or wide model code made it), and a failing
   step of a close does not skip the steps after it.
 - The zygote dies with the thread that started it (PR_SET_PDEATHSIG follows the parent
-  thread): start zygotes from the thread that runs the event loop.
+  thread): start zygotes from the thread that runs the event loop. A trainer killed without
+  closing its zygotes leaves nothing: each zygote then kills its workers and removes its
+  temporary root itself.
 - Each worker runs as its own unprivileged uid (`uid_base + slot`, the base derived from the
   zygote's pid so that concurrent zygotes do not share uids) in its own empty directory under
   the zygote's temporary root; both are released when the worker is gone.
@@ -298,6 +300,7 @@ class Zygote:
                     tool_modules=list(tool_modules),
                     context=pickle.dumps(context, protocol=pickle.HIGHEST_PROTOCOL),
                     limits=limits.for_worker(),
+                    temp_root=zygote.temp_root,
                 )
             )
             booted = await zygote._booted

@@ -6,7 +6,8 @@ imports the preload and tool modules, unpickles the context, freezes the GC (so 
 in the workers do not touch, and thereby copy, the zygote's objects) and then forks one worker
 per `Spawn`. A fork shares the zygote's pages copy-on-write: a 100 MB context costs a worker
 nothing until it writes to it. The zygote reaps its children and reports each exit status, and
-it dies with the trainer (PR_SET_PDEATHSIG), taking its workers with it.
+when the trainer dies (PR_SET_PDEATHSIG delivers SIGTERM) or leaves without a Shutdown, it kills
+its workers and removes the temporary root of their directories before it exits.
 
 A worker, right after fork: joins its own process group, keeps only its socket to the trainer
 (stdin/stdout/stderr become /dev/null), enters its working directory and the jail
@@ -34,6 +35,7 @@ import signal
 import socket
 import sys
 import sysconfig
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +64,7 @@ from rlmtrain.rlm.protocol import (
     recv_frame,
     send_frame,
 )
+from rlmtrain.rlm.teardown import remove_tree
 
 __all__ = ["load_tools", "main", "readable_paths"]
 
@@ -300,6 +303,7 @@ def _worker_main(
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.setpgid(0, 0)
         os.dup2(sock.detach(), _WORKER_FD)
         os.closerange(_WORKER_FD + 1, os.sysconf("SC_OPEN_MAX"))
@@ -398,33 +402,58 @@ class _Zygote:
         self.children.clear()
 
     def serve(self) -> None:
+        """Spawn workers until Shutdown. If the trainer is gone instead (its death signal, or
+        the control socket closed without Shutdown), the zygote also removes the temporary
+        root: nobody else is left to."""
+        orphaned = True
+        try:
+            orphaned = self._serve()
+        finally:
+            self.kill_all()
+            if orphaned:
+                remove_tree(self.boot.temp_root)
+
+    def _serve(self) -> bool:
+        """True when the trainer left without saying Shutdown."""
         wakeup_r, wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wakeup_w)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
         selector = selectors.DefaultSelector()
         selector.register(self.control, selectors.EVENT_READ)
         selector.register(wakeup_r, selectors.EVENT_READ)
-        try:
-            while True:
-                for key, _ in selector.select():
-                    if key.fileobj == wakeup_r:
-                        while os.read(wakeup_r, 512) == 512:
-                            pass
-                        self.reap()
-                        continue
-                    fds: list[int] = []
-                    message = recv_frame(self.control, _zygote_decoder, _TRUSTED_FRAME_BYTES, fds)
-                    if message is None or isinstance(message, Shutdown):
-                        return
-                    if isinstance(message, Spawn):
-                        self.spawn(message, fds)
-        finally:
-            self.kill_all()
+        while not _trainer_left.is_set():
+            for key, _ in selector.select():
+                if key.fileobj == wakeup_r:
+                    while os.read(wakeup_r, 512) == 512:
+                        pass
+                    self.reap()
+                    continue
+                fds: list[int] = []
+                message = recv_frame(self.control, _zygote_decoder, _TRUSTED_FRAME_BYTES, fds)
+                if message is None:
+                    return True
+                if isinstance(message, Shutdown):
+                    return False
+                if isinstance(message, Spawn):
+                    self.spawn(message, fds)
+        return True
+
+
+_trainer_left = threading.Event()
+"""Set by the zygote's death signal: the trainer thread that started it has exited. A flag, not
+an exception: the signal and the control socket's end come in either order, and the second
+must not cut short the cleanup the first started."""
+
+
+def _trainer_gone(signum: int, frame: Any) -> None:
+    _trainer_left.set()
 
 
 def main(argv: list[str]) -> int:
     control_fd, trainer_pid = int(argv[0]), int(argv[1])
-    _jail.set_parent_death_signal(signal.SIGKILL, trainer_pid)
+    # SIGTERM, caught: the zygote outlives the trainer just long enough to clean up after it.
+    signal.signal(signal.SIGTERM, _trainer_gone)
+    _jail.set_parent_death_signal(signal.SIGTERM, trainer_pid)
     control = socket.socket(fileno=control_fd)
     boot = recv_frame(control, _zygote_decoder, _TRUSTED_FRAME_BYTES)
     if not isinstance(boot, Boot):
