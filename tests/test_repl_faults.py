@@ -249,3 +249,27 @@ def test_a_killed_trainer_leaves_no_zygote_worker_or_directory(temp_dir, signum)
         time.sleep(0.05)
     assert not os.path.exists(temp_root)
     # The fixture then checks that no process below this one is left either.
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nfor i in range(100):\n    open(f'f{i}', 'wb').write(os.urandom(1 << 20))",
+        "for i in range(5000):\n    open(f'f{i}', 'w').close()",
+        "import os, time\nopen('big', 'wb').write(os.urandom(40 << 20))\ntime.sleep(30)",
+    ],
+    ids=["many-megabytes", "many-files", "hoard-then-wait"],
+)
+def test_a_disk_hoard_past_the_limit_ends_the_exec(temp_dir, code):
+    limits = ReplLimits(
+        exec_timeout_s=10.0, memory_mb=1024, cpu_s=60, disk_mb=32, disk_entries=1000
+    )
+
+    async def body(zygote):
+        session = await zygote.session()
+        result, took = await timed_exec(session, code)
+        assert result.dead and "disk limit" in result.error, result
+        assert took < 5.0  # the watchdog, not the exec timeout, ended it
+        await session.close()
+
+    run_with_zygote(body, temp_dir, limits=limits)

@@ -482,7 +482,8 @@ def test_injected_faults_cost_only_the_trees_they_touch(tmp_path: Path) -> None:
     everyone = [t for g in groups for t in g.trajectories]
     assert len(roots) == 12
     reasons = Counter(t.finish_reason for t in everyone)
-    assert set(reasons) <= {"final", "error", "timeout", "max_turns"}, reasons
+    # aborted: children whose parent died under them (its worker killed while they ran)
+    assert set(reasons) <= {"final", "error", "timeout", "aborted", "max_turns"}, reasons
     assert faulty.injected["engine_error"] and faulty.injected["engine_hang"] and kills
     assert reasons["error"] >= faulty.injected["engine_error"] // 2
     assert reasons["timeout"] >= 1

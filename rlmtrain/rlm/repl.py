@@ -79,7 +79,7 @@ from rlmtrain.rlm.protocol import (
     WorkerLimits,
     encode_frame,
 )
-from rlmtrain.rlm.teardown import remove_tree
+from rlmtrain.rlm.teardown import disk_usage, remove_tree
 
 __all__ = ["DEFAULT_PRELOAD", "ExecResult", "QueryHandler", "ReplLimits", "Session", "Zygote"]
 
@@ -101,6 +101,8 @@ _UID_FLOOR = 1 << 30
 _MAX_SLOTS = 1 << 12
 _READY_TIMEOUT_S = 30.0
 _EXIT_REPORT_TIMEOUT_S = 2.0
+_DISK_POLL_S = 1.0
+"""How often a running exec's directory is measured against its disk limits."""
 _EOF_GRACE_S = 1.0
 """How long a worker whose socket closed may take to exit on its own before it is killed."""
 
@@ -122,6 +124,11 @@ class ReplLimits(msgspec.Struct, kw_only=True):
     """A bigger frame from a worker is a protocol violation: the worker is killed."""
     max_threads: int = 32
     """RLIMIT_NPROC of the worker's own uid: the threads it may run, its main thread included."""
+    disk_mb: int = 256
+    """What a session may hold in its directory (allocated bytes), checked while an exec runs
+    and when it ends; past it the worker is killed."""
+    disk_entries: int = 10_000
+    """Files and directories a session may hold in its directory, checked likewise."""
     max_query_prompts_per_exec: int = 4096
     """rlm_query prompts per exec handed to the query handler (a call counts at least one);
     later calls in the same exec are answered with a refusal by the REPL itself."""
@@ -599,11 +606,14 @@ class Session:
             loop = asyncio.get_running_loop()
             # Moved later by the time on_query takes: that time is not the worker's.
             deadline = loop.time() + self._limits.exec_timeout_s
+            watchdog = asyncio.ensure_future(self._watch_disk())
             try:
                 await self._send(Exec(id=exec_id, code=code), deadline - loop.time())
                 while True:
                     message = await self._read_frame_within(deadline - loop.time())
                     if isinstance(message, Done) and message.id == exec_id:
+                        if await self._over_disk():
+                            return self._dead_result()
                         return ExecResult(
                             output=clip_text(message.output, self._limits.output_limit_chars + 100),
                             error=clip_text(message.error, self._limits.output_limit_chars + 100),
@@ -647,6 +657,28 @@ class Session:
             except BaseException:
                 await self._kill("the exec was abandoned by the trainer")
                 raise
+            finally:
+                watchdog.cancel()
+
+    async def _watch_disk(self) -> None:
+        while not await self._over_disk():
+            await asyncio.sleep(_DISK_POLL_S)
+
+    async def _over_disk(self) -> bool:
+        """Measure the session's directory; past a limit, kill the worker and say so."""
+        limits = self._limits
+        cap_bytes = limits.disk_mb << 20
+        used = await asyncio.to_thread(
+            disk_usage, self.workdir, stop_bytes=cap_bytes, stop_entries=limits.disk_entries
+        )
+        if used.bytes <= cap_bytes and used.entries <= limits.disk_entries:
+            return False
+        await self._kill(
+            f"the session's directory holds over {limits.disk_mb} MiB or "
+            f"{limits.disk_entries} files and directories (its disk limit); "
+            "the worker was killed and this session is over."
+        )
+        return True
 
     @property
     def _over_query_budget(self) -> str:

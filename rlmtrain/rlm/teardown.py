@@ -13,8 +13,10 @@ not remove comes back as a short list of problems for the caller to log.
 from __future__ import annotations
 
 import os
+import stat
+from typing import NamedTuple
 
-__all__ = ["remove_tree"]
+__all__ = ["DiskUsage", "disk_usage", "remove_tree"]
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_PROBLEMS = 8
@@ -101,6 +103,67 @@ def _enter(fd: int, name: str) -> int | OSError:
         return os.open(name, _DIRECTORY, dir_fd=fd)
     except OSError as exc:
         return exc
+
+
+class DiskUsage(NamedTuple):
+    bytes: int
+    """Allocated bytes (st_blocks), so a sparse file counts what it holds, not its length."""
+    entries: int
+    """Files, directories and links below the root."""
+
+
+def disk_usage(path: str, *, stop_bytes: int, stop_entries: int) -> DiskUsage:
+    """What the tree at `path` holds, walked as `remove_tree` walks (one directory open at a
+    time, no link followed, any depth); the walk stops as soon as either figure is past its
+    `stop_*` (the figures are then lower bounds). 0, 0 for a missing path."""
+    try:
+        fd = os.open(path, _DIRECTORY)
+    except OSError:
+        return DiskUsage(0, 0)
+    total = [0, 0]
+
+    def over() -> bool:
+        return total[0] > stop_bytes or total[1] > stop_entries
+
+    def subdirectories(directory: int) -> list[str]:
+        found = []
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                total[1] += 1
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                total[0] += info.st_blocks * 512
+                if stat.S_ISDIR(info.st_mode):
+                    found.append(entry.name)
+                if over():
+                    break
+        return found
+
+    try:
+        levels = [subdirectories(fd)]
+        """Per level from `path` down to `fd`'s directory, the subdirectories still to walk."""
+        while levels and not over():
+            if levels[-1]:
+                try:
+                    child = os.open(levels[-1].pop(), _DIRECTORY, dir_fd=fd)
+                except OSError:
+                    continue
+                os.close(fd)
+                fd = child
+                levels.append(subdirectories(fd))
+            else:
+                levels.pop()
+                if levels:
+                    parent = os.open("..", _DIRECTORY, dir_fd=fd)
+                    os.close(fd)
+                    fd = parent
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return DiskUsage(*total)
 
 
 def _note(problems: list[str], name: str, exc: OSError) -> None:
