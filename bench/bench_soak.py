@@ -168,6 +168,9 @@ async def soak(judge_url: str) -> dict[str, Any]:
             scores = await judge.score_many("ROOT", "ok|ok", answers)
             judged.update(score.method for score in scores)
         assert set(scheduler.live().values()) == {0}, scheduler.live()
+        # The simulated engine's record of every request it saw is kept for tests; it is the
+        # stand-in engine's memory, not the trainer's.
+        engine.requests_seen.clear()
         if step + 1 == WARM_STEP:
             warm = leak_figures()
         if (step + 1) % 50 == 0:
