@@ -148,9 +148,7 @@ class SimRepl:
                 prompts = [f"helper question {c.id}" for c in plan.children]
                 await on_query(prompts, [None] * len(prompts))
             final = "answer" if turn == len(plan.lengths) - 1 else None
-            return ExecResult(
-                output="o" * plan.outputs[turn], error="", final=final, calls=[], dead=False
-            )
+            return ExecResult(output="o" * plan.outputs[turn], error="", final=final, dead=False)
 
         async def close(self) -> None:
             self.host.live -= 1

@@ -389,17 +389,20 @@ def test_a_body_without_a_length_is_read_to_its_end(server, case):
         ("unavailable_once", "HTTP 503"),
     ],
 )
-def test_a_failed_attempt_is_retried_and_then_scored(server, case, reason):
-    judge = make_judge(server, timeout_s=2.0, on_unscored="drop", max_retries=0)
-    failed = run(judge.score(f"case:{case} q", TRUTH, "p"))
-    assert failed.method == "unscored" and reason in failed.reason, failed.reason
-    retried = make_judge(server, timeout_s=2.0)
-    result = run(retried.score(f"case:{case} q", TRUTH, "p"))
-    assert result.method == "judge" and result.score == pytest.approx(GOOD_SCORE)
+def test_a_failed_attempt_is_retried_and_then_scored(case, reason):
+    with JudgeServer() as server:
+        judge = make_judge(server, timeout_s=5.0, on_unscored="drop", max_retries=0)
+        failed = run(judge.score(f"case:{case} q", TRUTH, "p"))
+        assert failed.method == "unscored" and reason in failed.reason, failed.reason
+    with JudgeServer() as server:  # its first reply fails again; the retry is scored
+        retried = make_judge(server, timeout_s=5.0)
+        result = run(retried.score(f"case:{case} q", TRUTH, "p"))
+        assert result.method == "judge" and result.score == pytest.approx(GOOD_SCORE)
+        assert retried.client.stats.retries == 1 and server.count(case) == 2
 
 
 def test_connections_are_kept_alive_across_calls(server):
-    judge = make_judge(server, max_concurrency=2)
+    judge = make_judge(server, max_concurrency=2, timeout_s=5.0)
     predictions = [f"answer {i}" for i in range(8)]
 
     async def both():
@@ -447,3 +450,10 @@ def test_a_raw_newline_inside_the_reason_is_read(server):
     server.cases["raw_newline"] = lambda nth: (200, completion(raw))
     result = run(make_judge(server).score("case:raw_newline q", TRUTH, "p"))
     assert result.method == "judge" and result.reason == "mostly\nright\tenough"
+
+
+def test_a_reply_nested_too_deeply_is_malformed_not_a_crash(server):
+    deep = '{"precision": 3, "recall": 4, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    server.cases["deep"] = lambda nth: (200, completion(deep if nth == 1 else json.dumps(GOOD)))
+    result = run(make_judge(server).score("case:deep q", TRUTH, "p"))
+    assert result.method == "judge" and server.count("deep") == 2

@@ -224,7 +224,7 @@ async def main():
     zygote = await Zygote.start(context="ctx", tool_modules=["textwrap"], temp_dir=sys.argv[1])
     session = await zygote.session()
     await session.exec("import os\\nos.makedirs('a/b/c')\\nopen('a/b/c/f', 'w').write('x')")
-    print(zygote.temp_root, flush=True)
+    print(zygote.temp_root, zygote._process.pid, session.pid, flush=True)
     await asyncio.sleep(600)
 
 asyncio.run(main())
@@ -239,16 +239,28 @@ def test_a_killed_trainer_leaves_no_zygote_worker_or_directory(temp_dir, signum)
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER, temp_dir], stdout=subprocess.PIPE, text=True
     )
-    temp_root = trainer.stdout.readline().strip()
+    temp_root, *pids = trainer.stdout.readline().split()
     assert os.path.isdir(temp_root)
     trainer.send_signal(signum)
     trainer.wait(10)
     trainer.stdout.close()
+    # The zygote and the worker were the trainer's; orphaned, they are no descendants of this
+    # process any more, so they are looked for by pid (a zombie reaped by init counts as gone).
     deadline = time.monotonic() + 10.0
-    while os.path.exists(temp_root) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (
+        os.path.exists(temp_root) or any(_alive(int(pid)) for pid in pids)
+    ):
         time.sleep(0.05)
     assert not os.path.exists(temp_root)
-    # The fixture then checks that no process below this one is left either.
+    assert not [pid for pid in pids if _alive(int(pid))]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.parametrize(

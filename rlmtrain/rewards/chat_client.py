@@ -218,13 +218,8 @@ class ChatClient:
                 self.stats.retries += 1
                 await asyncio.sleep(delay_s)
             try:
-                content = await self._attempt(self._request_body(messages, reply_type))
+                content = await self._ask(messages, reply_type)
                 reply = _decode(content, reply_type, check)
-            except _SchemaRefused as exc:
-                log.warning("judge: %s; asking for json_object replies instead", exc)
-                self._response_format = "json_object"
-                last_error = str(exc)
-                continue
             except _Retryable as exc:
                 last_error = str(exc)
                 delay_s = self._backoff(attempt, exc.delay_s)
@@ -288,6 +283,22 @@ class ChatClient:
             request["response_format"] = {"type": "json_object"}
         return msgspec.json.encode(request)
 
+    async def _ask(self, messages: list[dict[str, str]], reply_type: Any) -> str:
+        """One attempt; a 400 to a json_schema request is asked again at once as json_object,
+        and json_object stays the format only if that 400 was about the schema (the second
+        request is not refused too)."""
+        try:
+            return await self._attempt(self._request_body(messages, reply_type))
+        except _SchemaRefused as refused:
+            self._response_format = "json_object"
+            try:
+                content = await self._attempt(self._request_body(messages, reply_type))
+            except _Fatal:
+                self._response_format = "json_schema"
+                raise
+            log.warning("judge: %s; asking for json_object replies from now on", refused)
+            return content
+
     async def _attempt(self, body: bytes) -> str:
         """One HTTP attempt; returns the reply's message content or raises _Retryable/_Fatal."""
         assert self._semaphore is not None and self._http is not None
@@ -298,7 +309,7 @@ class ChatClient:
             except (TimeoutError, httpx.TimeoutException):
                 self.stats.timeouts += 1
                 raise _Retryable(f"timeout after {self.config.timeout_s}s") from None
-            except httpx.TransportError as exc:  # refused, reset, cut short, not HTTP
+            except httpx.RequestError as exc:  # refused, reset, cut short, not HTTP, undecodable
                 raise _Retryable(f"connection error: {type(exc).__name__}: {exc}") from None
         if status == 429 or status >= 500:
             raise _Retryable(
@@ -310,6 +321,8 @@ class ChatClient:
             raise _Fatal(f"HTTP {status} (not retried): {payload[:200]!r}")
         try:
             completion = msgspec.json.decode(payload, type=_Completion)
+        except RecursionError:
+            raise _Retryable("completion body nested too deeply") from None
         except msgspec.DecodeError as exc:
             raise _Retryable(f"malformed completion body: {exc}") from None
         if not completion.choices or not completion.choices[0].message.content:
@@ -354,10 +367,12 @@ def _decode(content: str, reply_type: type[T], check: Callable[[T], None] | None
         reply = msgspec.json.decode(text, type=reply_type)
     except msgspec.ValidationError as exc:
         raise ValueError(str(exc)) from None
+    except RecursionError:
+        raise ValueError("reply nested too deeply") from None
     except msgspec.DecodeError as exc:
         try:
             reply = msgspec.convert(json.loads(text, strict=False), type=reply_type)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise ValueError(str(exc)) from None
         except msgspec.ValidationError as invalid:
             raise ValueError(str(invalid)) from None

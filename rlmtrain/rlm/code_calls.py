@@ -7,7 +7,8 @@ diversity, turn-level tool credit) and the tree-shape metrics are taken from wha
 itself holds: the code of the turn. Each call of a tool or builtin by name in that code is one
 record, in source order, with its arguments as written (`search(text, kw)` inside a loop is one
 call with argument `text, kw`, however many times the loop runs). Code that does not parse has
-no calls.
+no calls. These are calls written, not calls run: one in dead code counts too. That is the
+policy's own output, not a forged report, but a reward paying per call can teach it to pad.
 """
 
 from __future__ import annotations

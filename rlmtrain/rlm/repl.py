@@ -21,8 +21,9 @@ Design (process side in `rlmtrain.rlm.worker`, jail in `csrc/jail.c`):
 - Every frame a worker sends is checked (size cap, typed msgpack decoder, exec id, turn order);
   anything else kills the worker. Workers are signalled through pidfds, so a recycled pid can
   never be hit.
-- The exec timer runs only while the worker runs: time waiting for `on_query` (child RLM calls)
-  is not counted. A timeout kills the worker; the session is then dead (`ExecResult.dead`).
+- The exec timer stops while `on_query` answers a query (child RLM calls): that time is not
+  counted, though threads the worker started may run meanwhile (bounded by its CPU limit and
+  its query budget). A timeout kills the worker; the session is then dead (`ExecResult.dead`).
   Every wait on a worker has a deadline: sending it answers it does not read counts against the
   exec's time, and a worker that closes its socket is killed after a short grace rather than
   waited for.
@@ -671,12 +672,12 @@ class Session:
         used = await asyncio.to_thread(
             disk_usage, self.workdir, stop_bytes=cap_bytes, stop_entries=limits.disk_entries
         )
-        if used.bytes <= cap_bytes and used.entries <= limits.disk_entries:
+        if used.bytes <= cap_bytes and used.entries <= limits.disk_entries and not used.hidden:
             return False
         await self._kill(
             f"the session's directory holds over {limits.disk_mb} MiB or "
-            f"{limits.disk_entries} files and directories (its disk limit); "
-            "the worker was killed and this session is over."
+            f"{limits.disk_entries} files and directories, or hides part of itself from "
+            "being measured (its disk limit); the worker was killed and this session is over."
         )
         return True
 

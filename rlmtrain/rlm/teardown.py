@@ -24,7 +24,8 @@ _MAX_PROBLEMS = 8
 
 def remove_tree(path: str) -> list[str]:
     """Remove the directory `path` and everything below it; the problems met, [] when all is
-    gone (a missing `path` is no problem). Only use on a tree nobody else writes meanwhile."""
+    gone (a missing `path` is no problem). Only use on a tree nobody else writes meanwhile.
+    Each directory is read once (a wide directory costs its width, not its width squared)."""
     problems: list[str] = []
     try:
         fd = os.open(path, _DIRECTORY)
@@ -34,33 +35,31 @@ def remove_tree(path: str) -> list[str]:
         return [f"{path}: {exc.strerror}"]
     names: list[str] = []
     """The names from `path` down to the directory `fd` is open on."""
-    resisted: list[set[str]] = [set()]
-    """Per level, the entries that could not be removed: skipped from then on."""
     try:
-        while True:
-            below = _clear_files(fd, resisted[-1], problems)
-            if below is not None:
+        pending = [_clear_files(fd, problems)]
+        """Per level from `path` down, the subdirectories still to remove."""
+        while pending:
+            if pending[-1]:
+                below = pending[-1].pop()
                 child = _enter(fd, below)
                 if isinstance(child, OSError):
-                    resisted[-1].add(below)
                     _note(problems, below, child)
                     continue
                 os.close(fd)
                 fd = child
                 names.append(below)
-                resisted.append(set())
+                pending.append(_clear_files(fd, problems))
                 continue
+            pending.pop()
             if not names:
                 break
             parent = os.open("..", _DIRECTORY, dir_fd=fd)
             os.close(fd)
             fd = parent
             name = names.pop()
-            resisted.pop()
             try:
                 os.rmdir(name, dir_fd=fd)
             except OSError as exc:
-                resisted[-1].add(name)
                 _note(problems, name, exc)
     except OSError as exc:
         _note(problems, "/".join(names[-3:]) or path, exc)
@@ -74,32 +73,32 @@ def remove_tree(path: str) -> list[str]:
     return problems
 
 
-def _clear_files(fd: int, resisted: set[str], problems: list[str]) -> str | None:
-    """Unlink every non-directory in the directory `fd`; the name of a subdirectory still to
-    remove, or None once only resisted entries are left."""
+def _clear_files(fd: int, problems: list[str]) -> list[str]:
+    """Unlink every non-directory in the directory `fd`; its subdirectories' names."""
+    subdirectories = []
     with os.scandir(fd) as entries:
         for entry in entries:
-            if entry.name in resisted:
-                continue
             try:
                 if entry.is_dir(follow_symlinks=False):
-                    return entry.name
-                os.unlink(entry.name, dir_fd=fd)
+                    subdirectories.append(entry.name)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
             except OSError as exc:
-                resisted.add(entry.name)
                 _note(problems, entry.name, exc)
-    return None
+    return subdirectories
 
 
 def _enter(fd: int, name: str) -> int | OSError:
+    """Open the subdirectory `name`; one made unreadable by its owner is made readable first
+    (ours to undo: the tree is quiescent, so `name` is still the directory the scan saw)."""
     try:
         return os.open(name, _DIRECTORY, dir_fd=fd)
     except PermissionError:
         pass
     except OSError as exc:
         return exc
-    try:  # made unreadable by its owner: ours to undo
-        os.chmod(name, 0o700, dir_fd=fd)  # a directory, not a link: checked by the caller
+    try:
+        os.chmod(name, 0o700, dir_fd=fd)
         return os.open(name, _DIRECTORY, dir_fd=fd)
     except OSError as exc:
         return exc
@@ -110,17 +109,23 @@ class DiskUsage(NamedTuple):
     """Allocated bytes (st_blocks), so a sparse file counts what it holds, not its length."""
     entries: int
     """Files, directories and links below the root."""
+    hidden: bool = False
+    """Part of the tree could not be measured: a directory the walk may not open, or one moved
+    while the walk was inside it. A caller enforcing a limit treats this as over it."""
 
 
 def disk_usage(path: str, *, stop_bytes: int, stop_entries: int) -> DiskUsage:
     """What the tree at `path` holds, walked as `remove_tree` walks (one directory open at a
     time, no link followed, any depth); the walk stops as soon as either figure is past its
-    `stop_*` (the figures are then lower bounds). 0, 0 for a missing path."""
+    `stop_*` (the figures are then lower bounds). 0, 0 for a missing path. The tree may be live:
+    each step back up through `..` is checked to land in the directory it came from, so a walk
+    never leaves the tree, and one that cannot be finished says so (`hidden`)."""
     try:
         fd = os.open(path, _DIRECTORY)
     except OSError:
         return DiskUsage(0, 0)
     total = [0, 0]
+    hidden = False
 
     def over() -> bool:
         return total[0] > stop_bytes or total[1] > stop_entries
@@ -144,26 +149,41 @@ def disk_usage(path: str, *, stop_bytes: int, stop_entries: int) -> DiskUsage:
     try:
         levels = [subdirectories(fd)]
         """Per level from `path` down to `fd`'s directory, the subdirectories still to walk."""
+        identities = [_identity(fd)]
+        """Per level, the (device, inode) of its directory."""
         while levels and not over():
             if levels[-1]:
                 try:
                     child = os.open(levels[-1].pop(), _DIRECTORY, dir_fd=fd)
-                except OSError:
+                except FileNotFoundError:  # removed since the scan saw it
                     continue
+                except OSError:
+                    hidden = True
+                    break
                 os.close(fd)
                 fd = child
                 levels.append(subdirectories(fd))
+                identities.append(_identity(fd))
             else:
                 levels.pop()
+                identities.pop()
                 if levels:
                     parent = os.open("..", _DIRECTORY, dir_fd=fd)
                     os.close(fd)
                     fd = parent
+                    if _identity(fd) != identities[-1]:  # moved while the walk was inside
+                        hidden = True
+                        break
     except OSError:
-        pass
+        hidden = True
     finally:
         os.close(fd)
-    return DiskUsage(*total)
+    return DiskUsage(total[0], total[1], hidden)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
 
 
 def _note(problems: list[str], name: str, exc: OSError) -> None:
