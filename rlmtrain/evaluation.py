@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlmtrain.rlm.code_calls import SUBQUERY_BUILTINS
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 DEFAULT_PASS_THRESHOLD = 0.5
-SPAWN_TOOLS = frozenset({"rlm_query", "rlm_query_batched"})
+SPAWN_TOOLS = SUBQUERY_BUILTINS
 TIMING_KEYS = ("wall_s_per_tree", "seconds")
 """Report keys measured by the wall clock; every other key is a function of the sampled trees."""
 

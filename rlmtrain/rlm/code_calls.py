@@ -19,11 +19,11 @@ from collections.abc import Collection
 
 from rlmtrain.rlm.records import ToolCall
 
-__all__ = ["RLM_BUILTINS", "calls_in_code", "tool_names"]
+__all__ = ["SUBQUERY_BUILTINS", "calls_in_code", "tool_names"]
 
-RLM_BUILTINS = frozenset({"rlm_query", "rlm_query_batched"})
-"""The builtins every REPL puts beside the environment's tools that count as tool use (FINAL
-and FINAL_VAR end a trajectory: they are not)."""
+SUBQUERY_BUILTINS = frozenset({"rlm_query", "rlm_query_batched"})
+"""The sub-query builtins every REPL puts beside the environment's tools: they count as tool
+use (FINAL and FINAL_VAR end a trajectory: they are not)."""
 
 _ARGS_CHARS = 200
 
@@ -33,7 +33,7 @@ def tool_names(module_names: tuple[str, ...]) -> frozenset[str]:
     """The names of an environment's tools, found as the worker finds them, and the builtins."""
     from rlmtrain.rlm.worker import load_tools
 
-    return RLM_BUILTINS | frozenset(load_tools(list(module_names)))
+    return SUBQUERY_BUILTINS | frozenset(load_tools(list(module_names)))
 
 
 def calls_in_code(code: str, names: Collection[str]) -> list[ToolCall]:

@@ -662,8 +662,11 @@ class Session:
                 watchdog.cancel()
 
     async def _watch_disk(self) -> None:
-        while not await self._over_disk():
+        # Sleeps first: the directory was measured when the previous exec ended.
+        while True:
             await asyncio.sleep(_DISK_POLL_S)
+            if await self._over_disk():
+                return
 
     async def _over_disk(self) -> bool:
         """Measure the session's directory; past a limit, kill the worker and say so."""
