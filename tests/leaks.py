@@ -8,6 +8,7 @@ too); the two context managers compare it before and after, and check the tempor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -15,7 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["descendants", "leak_checked_temp_dir", "leak_checked_tempfile_root"]
+__all__ = ["descendants", "leak_checked_temp_dir", "leak_checked_tempfile_root", "run_with_zygote"]
 
 
 def descendants() -> set[int]:
@@ -64,3 +65,21 @@ def leak_checked_tempfile_root(tmp_path: Path) -> Iterator[Path]:
         tempfile.tempdir = saved
     assert descendants() - before == set(), "worker processes outlived their zygotes"
     assert list(temp_root.iterdir()) == [], "temporary directories left behind"
+
+
+def run_with_zygote(body, temp_dir: str, *, context, tool_modules: list[str], limits):
+    """`asyncio.run` of `await body(zygote)` on a fresh zygote under `temp_dir`; the zygote is
+    then closed, and its temporary root must be gone."""
+    from rlmtrain.rlm.repl import Zygote
+
+    async def main():
+        zygote = await Zygote.start(
+            context=context, tool_modules=tool_modules, limits=limits, temp_dir=temp_dir
+        )
+        try:
+            return await body(zygote)
+        finally:
+            await zygote.close()
+            assert not os.path.exists(zygote.temp_root)
+
+    return asyncio.run(main())

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rlmtrain.rlm.code_calls import RLM_BUILTINS, calls_in_code, tool_names
+from rlmtrain.rlm.code_calls import SUBQUERY_BUILTINS, calls_in_code, tool_names
 
-NAMES = RLM_BUILTINS | {"search", "read_section", "FINAL_VAR"}
+NAMES = SUBQUERY_BUILTINS | {"search", "read_section", "FINAL_VAR"}
 
 
 def pairs(code: str) -> list[tuple[str, str]]:
@@ -46,5 +46,5 @@ def test_long_arguments_are_clipped():
 
 def test_tool_names_are_the_tools_a_worker_loads_and_the_builtins():
     names = tool_names(("rlmtrain.envs.evidence_tools",))
-    assert names >= RLM_BUILTINS and {"search", "list_papers", "extract_section"} <= names
+    assert names >= SUBQUERY_BUILTINS and {"search", "list_papers", "extract_section"} <= names
     assert "TOOLS" not in names

@@ -10,6 +10,7 @@ import asyncio
 import os
 import time
 
+import leaks
 import pytest
 from leaks import leak_checked_temp_dir
 
@@ -27,17 +28,7 @@ def temp_dir():
 
 
 def run_with_zygote(body, temp_dir, *, limits=LIMITS, context=CONTEXT):
-    async def main():
-        zygote = await Zygote.start(
-            context=context, tool_modules=TOOLS, limits=limits, temp_dir=temp_dir
-        )
-        try:
-            return await body(zygote)
-        finally:
-            await zygote.close()
-            assert not os.path.exists(zygote.temp_root)
-
-    return asyncio.run(main())
+    return leaks.run_with_zygote(body, temp_dir, context=context, tool_modules=TOOLS, limits=limits)
 
 
 def ok(result: ExecResult) -> ExecResult:

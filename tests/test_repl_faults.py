@@ -13,11 +13,12 @@ import asyncio
 import os
 import time
 
+import leaks
 import pytest
 from leaks import leak_checked_temp_dir
 
 from rlmtrain.rlm.protocol import MAX_PROMPTS_PER_QUERY
-from rlmtrain.rlm.repl import ReplLimits, Zygote
+from rlmtrain.rlm.repl import ReplLimits
 
 LIMITS = ReplLimits(exec_timeout_s=2.0, memory_mb=1024, cpu_s=60, output_limit_chars=400)
 HANG_MARGIN_S = 3.0
@@ -41,17 +42,9 @@ def temp_dir():
 
 
 def run_with_zygote(body, temp_dir, *, limits=LIMITS):
-    async def main():
-        zygote = await Zygote.start(
-            context="ctx", tool_modules=["textwrap"], limits=limits, temp_dir=temp_dir
-        )
-        try:
-            return await body(zygote)
-        finally:
-            await zygote.close()
-            assert not os.path.exists(zygote.temp_root)
-
-    return asyncio.run(main())
+    return leaks.run_with_zygote(
+        body, temp_dir, context="ctx", tool_modules=["textwrap"], limits=limits
+    )
 
 
 async def timed_exec(session, code, on_query=None):
