@@ -142,9 +142,10 @@ class RolloutConfig(_Section):
     repl_timeout_s: Annotated[
         float, _doc("wall-clock seconds per REPL exec, child calls not counted", gt=0)
     ] = 30.0
-    repl_memory_mb: Annotated[int, _doc("address-space limit of a REPL worker in MiB", ge=64)] = (
-        2048
-    )
+    repl_memory_mb: Annotated[
+        int,
+        _doc("memory limit of a REPL worker in MiB: address space, and its memory cgroup", ge=64),
+    ] = 2048
     output_limit_chars: Annotated[
         int, _doc("printed REPL output kept per exec (head and tail)", ge=64)
     ] = 4000

@@ -62,6 +62,7 @@ import msgspec
 
 from rlmtrain.rlm.builtins import clip_text
 from rlmtrain.rlm.control import ControlChannel
+from rlmtrain.rlm.memcg import PoolCgroup, WorkerCgroup
 from rlmtrain.rlm.protocol import (
     HEADER,
     Answers,
@@ -112,7 +113,10 @@ class ReplLimits(msgspec.Struct, kw_only=True):
     exec_timeout_s: float = 30.0
     """Wall clock per exec; time waiting for child rlm_query calls is excluded."""
     memory_mb: int = 2048
-    """RLIMIT_AS of a worker."""
+    """RLIMIT_AS of a worker, and the limit of its memory cgroup (`memory_cgroup`)."""
+    memory_cgroup: bool = True
+    """Give each worker a memory cgroup of `memory_mb` (page cache, shared memory and kernel
+    buffers included, no swap) where the kernel lets the trainer make one (`rlm/memcg.py`)."""
     cpu_s: int = 600
     """RLIMIT_CPU of a worker (its whole life)."""
     output_limit_chars: int = 4000
@@ -254,6 +258,7 @@ class Zygote:
         self._uid_base = 0
         self._closed = False
         self._closing: asyncio.Future[None] | None = None
+        self._cgroup: PoolCgroup | None = None
 
     @classmethod
     async def start(
@@ -316,6 +321,8 @@ class Zygote:
             await zygote.close()
             raise
         zygote._uid_base = _uid_block_start(booted.pid)
+        if limits.memory_cgroup:
+            zygote._cgroup = PoolCgroup.create()
         if booted.landlock_abi == 0:
             log.warning("no Landlock in this kernel: REPL workers can write wherever their uid may")
         return zygote
@@ -379,6 +386,7 @@ class Zygote:
         workdir = os.path.join(self.temp_root, f"w{next(self._counter)}")
         os.mkdir(workdir, 0o700)
         pidfd = -1
+        cgroup: WorkerCgroup | None = None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             if os.geteuid() == 0:
@@ -393,6 +401,15 @@ class Zygote:
             )
             theirs.close()
             pid, pidfd = await spawned
+            if self._cgroup is not None:
+                # Before its first exec: only the worker's own start-up is charged elsewhere.
+                try:
+                    cgroup = self._cgroup.worker(slot, self.limits.memory_mb << 20)
+                    cgroup.attach(pid)
+                except OSError as exc:
+                    raise RuntimeError(
+                        f"REPL worker could not be put in its memory cgroup: {exc}"
+                    ) from None
             reader, writer = await asyncio.open_unix_connection(sock=ours)
             session = Session(
                 zygote=self,
@@ -402,6 +419,7 @@ class Zygote:
                 workdir=workdir,
                 reader=reader,
                 writer=writer,
+                cgroup=cgroup,
             )
         except BaseException:
             theirs.close()
@@ -411,6 +429,8 @@ class Zygote:
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                 os.close(pidfd)
             remove_tree(workdir)  # still empty: no worker ran in it
+            if cgroup is not None:
+                cgroup.remove()  # busy while the killed worker exits: then the pool's close
             self._free_slots.append(slot)
             raise
         self._sessions.add(session)
@@ -459,6 +479,8 @@ class Zygote:
         if self._channel is not None:
             self._channel.close()
         await _remove_directory(self.temp_root)
+        if self._cgroup is not None:
+            self._cgroup.remove()
 
 
 async def _remove_directory(path: str) -> None:
@@ -472,9 +494,19 @@ class Session:
     """One jailed worker; its globals persist across execs. Execs run one at a time."""
 
     def __init__(
-        self, *, zygote: Zygote, slot: int, pid: int, pidfd: int, workdir: str, reader, writer
+        self,
+        *,
+        zygote: Zygote,
+        slot: int,
+        pid: int,
+        pidfd: int,
+        workdir: str,
+        reader,
+        writer,
+        cgroup: WorkerCgroup | None = None,
     ):
         self._zygote = zygote
+        self._cgroup = cgroup
         self._limits = zygote.limits
         self._slot = slot
         self.pid = pid
@@ -582,6 +614,11 @@ class Session:
             else:
                 if status is None:
                     reason = "the REPL zygote died and took the worker with it"
+                elif self._cgroup is not None and self._cgroup.oom_kills():
+                    reason = (
+                        f"the worker went over its memory limit of {self._limits.memory_mb} MiB "
+                        "(its memory cgroup's OOM killer ended it)"
+                    )
                 else:
                     reason = _describe_exit(status, self._limits)
             if self._death is None:
@@ -742,4 +779,6 @@ class Session:
             await self._writer.wait_closed()
         os.close(self._pidfd)
         await _remove_directory(self.workdir)
+        if self._cgroup is not None:
+            self._cgroup.remove()
         self._zygote._release(self)
