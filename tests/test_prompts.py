@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from rlmtrain.envs.base import Env, Task
@@ -263,3 +264,15 @@ def test_plain_call_prompt_shows_passed_context_cut_to_size():
     assert messages[1]["content"] == "Summarise.\n\nContext:\n" + shorten("z" * 100, 10)
     assert plain_call_messages("Hi?", None, context_chars=10)[1]["content"] == "Hi?"
     assert "'k': 1" in plain_call_messages("Hi?", {"k": 1}, context_chars=100)[1]["content"]
+
+
+def test_a_plain_call_decodes_an_encoded_context_only_where_it_is_cheap():
+    def shown(context):
+        return plain_call_messages("Q?", context, context_chars=10_000)[1]["content"]
+
+    encode = msgspec.msgpack.encode
+    assert shown(msgspec.Raw(encode("x" * 600_000))).endswith("x" * 100)  # a string: as is
+    assert "{'a': [1, 2]}" in shown(msgspec.Raw(encode({"a": [1, 2]})))
+    nested = msgspec.Raw(encode([[]] * 300_000))  # ~300 KB that would decode to ~17 MiB
+    assert "too large to show without a REPL" in shown(nested)
+    assert "could not be decoded" in shown(msgspec.Raw(b"\x92\x01"))

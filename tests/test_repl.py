@@ -11,6 +11,7 @@ import os
 import time
 
 import leaks
+import msgspec
 import pytest
 from leaks import leak_checked_temp_dir
 
@@ -119,7 +120,8 @@ def test_rlm_query_round_trips_in_order(temp_dir):
     seen = []
 
     async def handler(prompts, contexts):
-        seen.append((prompts, contexts))
+        # Contexts arrive as the worker encoded them; None is the parent's.
+        seen.append((prompts, [c if c is None else msgspec.msgpack.decode(c) for c in contexts]))
         return [f"answer to {p}" for p in prompts]
 
     async def body(zygote):

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import tracemalloc
 
 import leaks
+import msgspec
 import pytest
 from leaks import leak_checked_temp_dir
 
@@ -278,3 +280,54 @@ def test_a_disk_hoard_past_the_limit_ends_the_exec(temp_dir, code):
         await session.close()
 
     run_with_zygote(body, temp_dir, limits=limits)
+
+
+def test_a_query_context_stays_encoded_in_the_trainer(temp_dir):
+    """1 MB of empty lists decodes to ~60 MiB of objects: the trainer keeps the bytes, and only
+    the child's own worker decodes them, under its own limits."""
+    received = []
+
+    async def handler(prompts, contexts):
+        received.extend(contexts)
+        return ["ok"] * len(prompts)
+
+    async def body(zygote):
+        session = await zygote.session()
+        tracemalloc.start()
+        try:
+            result = await session.exec("print(rlm_query('q', context=[[]] * 1_000_000))", handler)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert result.output == "ok\n", result
+        [context] = received
+        assert isinstance(context, msgspec.Raw) and len(context) > 1_000_000
+        assert peak < 16 << 20, f"the trainer held {peak >> 20} MiB while answering"
+        child = await zygote.session(context=context)
+        seen = await child.exec("print(len(context), context[0])")
+        assert seen.output == "1000000 []\n", seen
+        await child.close()
+        await session.close()
+
+    run_with_zygote(body, temp_dir)
+
+
+def test_a_context_too_big_for_the_child_fails_that_child_alone(temp_dir):
+    received = []
+
+    async def handler(prompts, contexts):
+        received.extend(contexts)
+        return ["ok"] * len(prompts)
+
+    async def body(zygote):
+        session = await zygote.session()
+        result = await session.exec("rlm_query('q', context=[[]] * 8_000_000)", handler)
+        assert not result.error, result
+        with pytest.raises(RuntimeError, match="context could not be decoded: MemoryError"):
+            await zygote.session(context=received[0])
+        again = await session.exec("print(6 * 7)")
+        assert again.output == "42\n"
+        await session.close()
+
+    small = msgspec.structs.replace(LIMITS, memory_mb=256)
+    run_with_zygote(body, temp_dir, limits=small)

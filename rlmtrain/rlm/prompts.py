@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import msgspec
+
 from rlmtrain.rlm.extract import CLOSE_FENCE, CODE_BLOCK_RULE, OPEN_FENCE
 from rlmtrain.rlm.records import Turn
 from rlmtrain.rlm.worker import load_tools
@@ -275,12 +277,31 @@ PLAIN_CALL_SYSTEM = (
 )
 
 
+_DECODE_NESTED_BYTES = 256 << 10
+"""The largest encoded context other than a string that a plain call decodes to show: nesting
+multiplies what msgpack decodes to (some 60x for empty lists), a string decodes to itself."""
+
+
+def _context_text(context: Any) -> str:
+    """What a plain call shows of a context: a string as is, anything else as its repr; one
+    still encoded by a worker (`msgspec.Raw`) is decoded here only where that is cheap."""
+    if isinstance(context, msgspec.Raw):
+        head = memoryview(context)[:1].tobytes()
+        is_string = bool(head) and (0xA0 <= head[0] <= 0xBF or head[0] in (0xD9, 0xDA, 0xDB))
+        if not is_string and len(context) > _DECODE_NESTED_BYTES:
+            return f"[a context of {len(context)} encoded bytes, too large to show without a REPL]"
+        try:
+            context = msgspec.msgpack.decode(context)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            return f"[a context that could not be decoded: {exc}]"
+    return context if isinstance(context, str) else repr(context)
+
+
 def plain_call_messages(prompt: str, context: Any | None, *, context_chars: int) -> list[Message]:
     """A single-turn prompt: the question and, when one was passed, the context cut to size."""
     content = prompt
     if context is not None:
-        text = context if isinstance(context, str) else repr(context)
-        content += "\n\nContext:\n" + shorten(text, context_chars)
+        content += "\n\nContext:\n" + shorten(_context_text(context), context_chars)
     return [
         {"role": "system", "content": PLAIN_CALL_SYSTEM},
         {"role": "user", "content": content},

@@ -6,13 +6,18 @@ decoder that accepts only `WorkerMessage` and refuses frames over its size cap, 
 writes garbage (or something well-formed but out of turn) is a protocol violation and gets
 killed, never believed. The trainer <-> zygote channel carries pickled contexts: that direction is
 trusted (the trainer made them); nothing a worker sends is ever unpickled.
+
+The contexts of a worker's `Query` are arbitrary nested data, and nesting multiplies what a frame
+decodes to (a 1 MB frame of empty lists is some 60 MiB of Python objects). The trainer keeps each
+one as the worker encoded it (`msgspec.Raw`) and hands those bytes on: the child's own worker
+decodes them once it is jailed (`Spawn.context_msgpack`), under its own memory limits.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 
@@ -82,6 +87,9 @@ class Spawn(msgspec.Struct, tag=True, kw_only=True):
     workdir: str
     context: bytes | None = None
     """A pickled context replacing the zygote's for this worker only; None = inherit."""
+    context_msgpack: bytes | None = None
+    """A context as another worker encoded it (msgpack), replacing the zygote's for this worker
+    only; decoded by the worker after it is jailed, never by the trainer or the zygote."""
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -144,8 +152,9 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
 class Query(msgspec.Struct, tag=True, kw_only=True):
     id: int
     prompts: Annotated[list[str], msgspec.Meta(max_length=MAX_PROMPTS_PER_QUERY)]
-    contexts: Annotated[list[Any], msgspec.Meta(max_length=MAX_PROMPTS_PER_QUERY)]
-    """One per prompt; None = the parent's context."""
+    contexts: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_PROMPTS_PER_QUERY)]
+    """One per prompt, left encoded (module docstring); msgpack nil = the parent's context.
+    The worker builds a Query from the objects themselves."""
 
 
 class Done(msgspec.Struct, tag=True, kw_only=True):

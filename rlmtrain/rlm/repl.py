@@ -105,6 +105,7 @@ _READY_TIMEOUT_S = 30.0
 _EXIT_REPORT_TIMEOUT_S = 2.0
 _DISK_POLL_S = 1.0
 """How often a running exec's directory is measured against its disk limits."""
+_NIL = msgspec.Raw(msgspec.msgpack.encode(None))
 _EOF_GRACE_S = 1.0
 """How long a worker whose socket closed may take to exit on its own before it is killed."""
 
@@ -162,8 +163,9 @@ class ExecResult(msgspec.Struct, kw_only=True):
 
 
 QueryHandler = Callable[[list[str], list[Any | None]], Awaitable[list[str]]]
-"""(prompts, contexts) -> answers in order; a context of None means the parent's context. It
-never raises: failures are answer strings."""
+"""(prompts, contexts) -> answers in order; a context of None means the parent's context, any
+other is a `msgspec.Raw` still encoded as the worker sent it (`protocol` docstring). It never
+raises: failures are answer strings."""
 
 
 class _ProtocolViolation(Exception):
@@ -374,7 +376,9 @@ class Zygote:
     # ---- sessions ---------------------------------------------------------------------------
 
     async def session(self, *, context: Any | None = None) -> Session:
-        """Fork a jailed worker. context=None inherits the zygote's context (shared, not copied)."""
+        """Fork a jailed worker. context=None inherits the zygote's context (shared, not copied);
+        a `msgspec.Raw` (a context as another worker encoded it) is decoded by the new worker
+        once it is jailed; anything else is pickled here and loaded by the worker."""
         if self._closed or self._channel is None:
             raise RuntimeError("the REPL zygote is closed")
         if self._channel.closed:
@@ -392,13 +396,12 @@ class Zygote:
             if os.geteuid() == 0:
                 os.chown(workdir, uid, uid)
             spawned = self._spawns[slot] = asyncio.get_running_loop().create_future()
-            payload = (
-                None if context is None else pickle.dumps(context, protocol=pickle.HIGHEST_PROTOCOL)
-            )
-            await self._channel.send(
-                Spawn(slot=slot, uid=uid, gid=uid, workdir=workdir, context=payload),
-                theirs.fileno(),
-            )
+            spawn = Spawn(slot=slot, uid=uid, gid=uid, workdir=workdir)
+            if isinstance(context, msgspec.Raw):
+                spawn.context_msgpack = bytes(context)
+            elif context is not None:
+                spawn.context = pickle.dumps(context, protocol=pickle.HIGHEST_PROTOCOL)
+            await self._channel.send(spawn, theirs.fileno())
             theirs.close()
             pid, pidfd = await spawned
             if self._cgroup is not None:
@@ -584,7 +587,7 @@ class Session:
         if not isinstance(message, Ready):
             raise RuntimeError(f"REPL worker failed to start: sent {type(message).__name__} first")
         if message.error:
-            raise RuntimeError(f"REPL worker failed to jail itself: {message.error}")
+            raise RuntimeError(f"REPL worker failed to start: {message.error}")
 
     async def _kill(self, reason: str) -> None:
         if self._death is None:
@@ -746,7 +749,8 @@ class Session:
     async def _answer(self, query: Query, on_query: QueryHandler | None) -> list[str]:
         if on_query is None:
             return ["rlm_query is not available in this session"] * len(query.prompts)
-        answers = await on_query(list(query.prompts), list(query.contexts))
+        contexts = [None if c == _NIL else c.copy() for c in query.contexts]
+        answers = await on_query(list(query.prompts), contexts)
         if (
             not isinstance(answers, list)
             or len(answers) != len(query.prompts)

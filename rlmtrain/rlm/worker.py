@@ -330,6 +330,14 @@ def _worker_main(
         except Exception as exc:
             channel.send(Ready(error=f"{type(exc).__name__}: {exc}"))
             return
+        if spawn.context_msgpack is not None:
+            # Jailed first: what this context decodes to counts against this worker's limits.
+            try:
+                context = msgspec.msgpack.decode(spawn.context_msgpack)
+            except (msgspec.DecodeError, MemoryError, RecursionError) as exc:
+                channel.send(Ready(error=f"its context could not be decoded: {exc!r:.200}"))
+                return
+            spawn.context_msgpack = None
         os.system = _refuse_system
         worker = _Worker(channel, tools, context, limits)
         channel.send(Ready())
