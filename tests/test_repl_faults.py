@@ -264,8 +264,10 @@ def _alive(pid: int) -> bool:
         "import os\nfor i in range(100):\n    open(f'f{i}', 'wb').write(os.urandom(1 << 20))",
         "for i in range(5000):\n    open(f'f{i}', 'w').close()",
         "import os, time\nopen('big', 'wb').write(os.urandom(40 << 20))\ntime.sleep(30)",
+        "import os\nkept = open('gone', 'wb')\nos.unlink('gone')\n"
+        "kept.write(os.urandom(40 << 20))\nkept.flush()",
     ],
-    ids=["many-megabytes", "many-files", "hoard-then-wait"],
+    ids=["many-megabytes", "many-files", "hoard-then-wait", "unlinked-but-open"],
 )
 def test_a_disk_hoard_past_the_limit_ends_the_exec(temp_dir, code):
     limits = ReplLimits(
@@ -277,6 +279,30 @@ def test_a_disk_hoard_past_the_limit_ends_the_exec(temp_dir, code):
         result, took = await timed_exec(session, code)
         assert result.dead and "disk limit" in result.error, result
         assert took < 5.0  # the watchdog, not the exec timeout, ended it
+        await session.close()
+
+    run_with_zygote(body, temp_dir, limits=limits)
+
+
+def test_a_hoard_written_between_execs_ends_the_session_while_idle(temp_dir):
+    limits = ReplLimits(exec_timeout_s=10.0, memory_mb=1024, cpu_s=60, disk_mb=32)
+    code = (
+        "import os, threading, time\n"
+        "def later():\n"
+        "    time.sleep(0.3)\n"
+        "    open('late', 'wb').write(os.urandom(40 << 20))\n"
+        "threading.Thread(target=later, daemon=True).start()\n"
+        "print('started')"
+    )
+
+    async def body(zygote):
+        session = await zygote.session()
+        result = await session.exec(code)
+        assert result.output == "started\n" and not result.dead, result
+        await asyncio.sleep(3.0)  # no exec runs: the session's own watchdog must see it
+        assert session.dead
+        after = await session.exec("print(1)")
+        assert after.dead and "disk limit" in after.error, after
         await session.close()
 
     run_with_zygote(body, temp_dir, limits=limits)

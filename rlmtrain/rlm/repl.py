@@ -81,7 +81,7 @@ from rlmtrain.rlm.protocol import (
     WorkerLimits,
     encode_frame,
 )
-from rlmtrain.rlm.teardown import disk_usage, remove_tree
+from rlmtrain.rlm.teardown import disk_usage, remove_tree, unlinked_open_bytes
 
 __all__ = ["DEFAULT_PRELOAD", "ExecResult", "QueryHandler", "ReplLimits", "Session", "Zygote"]
 
@@ -104,7 +104,7 @@ _MAX_SLOTS = 1 << 12
 _READY_TIMEOUT_S = 30.0
 _EXIT_REPORT_TIMEOUT_S = 2.0
 _DISK_POLL_S = 1.0
-"""How often a running exec's directory is measured against its disk limits."""
+"""How often a session's disk use is measured against its limits."""
 _NIL = msgspec.Raw(msgspec.msgpack.encode(None))
 _EOF_GRACE_S = 1.0
 """How long a worker whose socket closed may take to exit on its own before it is killed."""
@@ -131,8 +131,9 @@ class ReplLimits(msgspec.Struct, kw_only=True):
     max_threads: int = 32
     """RLIMIT_NPROC of the worker's own uid: the threads it may run, its main thread included."""
     disk_mb: int = 256
-    """What a session may hold in its directory (allocated bytes), checked while an exec runs
-    and when it ends; past it the worker is killed."""
+    """What a session may hold on disk (allocated bytes): its directory, and files its worker
+    unlinked but keeps open. Checked every second for the session's whole life (a background
+    thread writes between execs too) and when each exec ends; past it the worker is killed."""
     disk_entries: int = 10_000
     """Files and directories a session may hold in its directory, checked likewise."""
     max_query_prompts_per_exec: int = 4096
@@ -528,6 +529,7 @@ class Session:
         self._gone: asyncio.Future[None] = loop.create_future()
         """Done once the worker process has exited: its pidfd turns readable."""
         loop.add_reader(pidfd, self._on_exit)
+        self._watchdog = loop.create_task(self._watch_disk())
 
     def _on_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._pidfd)
@@ -647,7 +649,6 @@ class Session:
             loop = asyncio.get_running_loop()
             # Moved later by the time on_query takes: that time is not the worker's.
             deadline = loop.time() + self._limits.exec_timeout_s
-            watchdog = asyncio.ensure_future(self._watch_disk())
             try:
                 await self._send(Exec(id=exec_id, code=code), deadline - loop.time())
                 while True:
@@ -698,14 +699,11 @@ class Session:
             except BaseException:
                 await self._kill("the exec was abandoned by the trainer")
                 raise
-            finally:
-                watchdog.cancel()
 
     async def _watch_disk(self) -> None:
-        # Sleeps first: the directory was measured when the previous exec ended.
-        while True:
+        while not self._gone.done():
             await asyncio.sleep(_DISK_POLL_S)
-            if await self._over_disk():
+            if self._gone.done() or await self._over_disk():
                 return
 
     async def _over_disk(self) -> bool:
@@ -715,12 +713,14 @@ class Session:
         used = await asyncio.to_thread(
             disk_usage, self.workdir, stop_bytes=cap_bytes, stop_entries=limits.disk_entries
         )
-        if used.bytes <= cap_bytes and used.entries <= limits.disk_entries and not used.hidden:
+        held = used.bytes + await asyncio.to_thread(unlinked_open_bytes, self.pid)
+        if held <= cap_bytes and used.entries <= limits.disk_entries and not used.hidden:
             return False
         await self._kill(
-            f"the session's directory holds over {limits.disk_mb} MiB or "
-            f"{limits.disk_entries} files and directories, or hides part of itself from "
-            "being measured (its disk limit); the worker was killed and this session is over."
+            f"the session holds over {limits.disk_mb} MiB on disk (its directory and files it "
+            f"unlinked but keeps open) or {limits.disk_entries} files and directories, or hides "
+            "part of its directory from being measured (its disk limit); the worker was killed "
+            "and this session is over."
         )
         return True
 
@@ -773,6 +773,9 @@ class Session:
     async def _close(self) -> None:
         # Kill first: an exec in progress then sees its worker gone and returns.
         await self._kill("this REPL session is closed")
+        self._watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watchdog
         async with self._lock:
             pass
         # Until the zygote has reaped it, the worker still counts against its uid's thread limit.

@@ -16,7 +16,7 @@ import os
 import stat
 from typing import NamedTuple
 
-__all__ = ["DiskUsage", "disk_usage", "remove_tree"]
+__all__ = ["DiskUsage", "disk_usage", "remove_tree", "unlinked_open_bytes"]
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_PROBLEMS = 8
@@ -112,6 +112,27 @@ class DiskUsage(NamedTuple):
     hidden: bool = False
     """Part of the tree could not be measured: a directory the walk may not open, or one moved
     while the walk was inside it. A caller enforcing a limit treats this as over it."""
+
+
+def unlinked_open_bytes(pid: int) -> int:
+    """Bytes allocated to regular files that process `pid` keeps open after their last name was
+    removed: space no directory walk sees. 0 when its descriptors cannot be read (it exited)."""
+    fds = f"/proc/{pid}/fd"
+    total = 0
+    try:
+        names = os.listdir(fds)
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            if not os.readlink(f"{fds}/{name}").endswith(" (deleted)"):
+                continue
+            info = os.stat(f"{fds}/{name}")  # follows the descriptor to the file itself
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 0:
+            total += info.st_blocks * 512
+    return total
 
 
 def disk_usage(path: str, *, stop_bytes: int, stop_entries: int) -> DiskUsage:
