@@ -7,8 +7,9 @@ SIGKILL from outside; every root is then scored by the rubric judge against a re
 on 127.0.0.1 that answers 5% of requests with 503 (the client retries, with backoff). Printed
 and stored in `extra_info`: trees by finish reason, faults injected, judge calls scored and
 unscored, and the leak figures, which must all stay flat: processes below this one, open
-descriptors, REPL temporary directories, SysV IPC objects, and this process's resident memory
-between step 20 (warm) and the end (target: within 5%).
+descriptors, REPL temporary directories, SysV IPC objects, REPL memory cgroups (where workers
+get them), and this process's resident memory between step 20 (warm) and the end (target:
+within 5%).
 
     python -m pytest bench/bench_soak.py --benchmark-only -s   (about five minutes)
 """
@@ -34,6 +35,7 @@ from rlmtrain.config import JudgeConfig, RolloutConfig
 from rlmtrain.envs.base import Env, Task
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rewards.judge import RubricJudge
+from rlmtrain.rlm.memcg import own_memory_cgroup
 from rlmtrain.rollout.engines.sim import LatencyModel, SimEngine, text_script
 from rlmtrain.rollout.faults import FaultPlan, FaultyEngine, killing_workers
 from rlmtrain.rollout.scheduler import Scheduler
@@ -107,6 +109,16 @@ class FlakyJudgeServer:
         self.httpd.server_close()
 
 
+LEAK_KEYS = (
+    "child_processes",
+    "open_fds",
+    "repl_temp_dirs",
+    "sysv_ipc_objects",
+    "memory_cgroups",
+    "rss_kb",
+)
+
+
 def leak_figures() -> dict[str, int]:
     """What a rollout may leave behind, counted from /proc and the temporary directory."""
     children = 0
@@ -129,8 +141,18 @@ def leak_figures() -> dict[str, int]:
         "open_fds": len(os.listdir("/proc/self/fd")),
         "repl_temp_dirs": len(glob.glob(os.path.join(tempfile.gettempdir(), "rlmtrain-repl-*"))),
         "sysv_ipc_objects": ipc,
+        "memory_cgroups": _memory_cgroups(),
         "rss_kb": rss_kb,
     }
+
+
+def _memory_cgroups() -> int:
+    """This process's REPL memory cgroups (pools and workers; 0 where workers get none)."""
+    found = own_memory_cgroup()
+    if found is None:
+        return 0
+    pools = glob.glob(str(found[0] / f"rlmtrain-{os.getpid()}-*"))
+    return len(pools) + sum(len(glob.glob(os.path.join(pool, "w*"))) for pool in pools)
 
 
 async def soak(judge_url: str) -> dict[str, Any]:
@@ -217,7 +239,7 @@ def test_soak_with_faults(benchmark, tmp_path):
     print(f"finish reasons     {result['finish_reasons']}")
     print(f"faults injected    {result['faults']}")
     print(f"judge              {result['judge']}  (server answered {result['judge_server']})")
-    for key in ("child_processes", "open_fds", "repl_temp_dirs", "sysv_ipc_objects", "rss_kb"):
+    for key in LEAK_KEYS:
         row = [result[when][key] for when in ("before", "warm", "after")]
         print(f"{key:<18} before {row[0]:>8}  step {WARM_STEP} {row[1]:>8}  end {row[2]:>8}")
     print(
