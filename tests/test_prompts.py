@@ -273,6 +273,8 @@ def test_a_plain_call_decodes_an_encoded_context_only_where_it_is_cheap():
     encode = msgspec.msgpack.encode
     assert shown(msgspec.Raw(encode("x" * 600_000))).endswith("x" * 100)  # a string: as is
     assert "{'a': [1, 2]}" in shown(msgspec.Raw(encode({"a": [1, 2]})))
-    nested = msgspec.Raw(encode([[]] * 300_000))  # ~300 KB that would decode to ~17 MiB
+    paper = {"p0": {"title": "T", "abstract": "A", "text": "word " * 400_000}}  # 2 MB of text
+    assert shown(msgspec.Raw(encode(paper))).startswith("Q?\n\nContext:\n{'p0': {'title'")
+    nested = msgspec.Raw(encode([[]] * 1_000_000))  # 1 MB that would decode to ~60 MiB
     assert "too large to show without a REPL" in shown(nested)
     assert "could not be decoded" in shown(msgspec.Raw(b"\x92\x01"))

@@ -131,7 +131,8 @@ class ChildCall(msgspec.Struct, kw_only=True):
     trajectory: Trajectory
     """The child's record with ids, depth and prompt set; run it in place and keep it."""
     context: Any | None
-    """The child's context; None = the task context of the zygote (no copy needed)."""
+    """The child's context; None = the task context of the zygote (no copy needed). One the
+    parent's code passed is a `msgspec.Raw`, still encoded: the child's worker decodes it."""
     with_repl: bool
     """True: `run_trajectory` with a fresh session; False: `run_plain_call` (depth limit)."""
 

@@ -7,15 +7,18 @@ of its own, limited to `ReplLimits.memory_mb` with no swap on top; past it the k
 killer ends that worker alone, and the session reports it as such.
 
 Layout: one directory per zygote (`rlmtrain-<trainer pid>-<n>`) under the trainer's own memory
-cgroup, one `w<slot>` per live worker inside it, each removed once its worker has exited. A
-trainer killed outright leaves empty directories; the next zygote of any trainer removes those
-whose trainer is gone.
+cgroup, one `w<slot>` per live worker inside it, made before the worker is forked and entered by
+the worker itself before it jails itself or loads its context (so nothing it allocates is
+charged elsewhere), removed once it has exited. A trainer killed outright leaves empty
+directories; the next zygote of any trainer removes those whose trainer is gone.
 
 Where it works: cgroup v1 with a writable memory hierarchy (containers that run as root), and
-cgroup v2 where the trainer's cgroup delegates the memory controller to its children
-(`memory` in its `cgroup.subtree_control`, e.g. a systemd unit with `Delegate=yes`). Anywhere
-else `PoolCgroup.create` returns None and the rlimits, the disk quota and seccomp's refusal of
-memfd and SysV/POSIX IPC are the whole memory bound (README, "The REPL sandbox").
+cgroup v2 where the trainer's cgroup already passes the memory controller to its children
+(`memory` in its `cgroup.subtree_control`; cgroup v2 allows that only for a cgroup without
+processes of its own or the root, so rarely). `PoolCgroup.create` proves it by limiting a probe
+cgroup; anywhere else it returns None and the rlimits, the disk quota and seccomp's refusal of
+memfd and SysV/POSIX IPC are the whole memory bound (README, "The REPL sandbox"). Without swap
+accounting (v1 with no `memory.memsw.*`) a worker's swappiness is 0 instead.
 """
 
 from __future__ import annotations
@@ -38,17 +41,20 @@ _warned = False
 
 
 class WorkerCgroup:
-    """One worker's cgroup: `attach` its pid before its first exec, `remove` once it exited."""
+    """One worker's cgroup: the worker writes itself into `procs` before it jails itself;
+    `remove` once it exited."""
 
     def __init__(self, path: Path, version: int) -> None:
         self.path = path
+        self.procs = str(path / "cgroup.procs")
         self._version = version
+        self._oom_before = self._oom_count()
 
-    def attach(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))
+    def oom_killed(self) -> bool:
+        """Whether the OOM killer ended a process of this cgroup since it was handed out."""
+        return self._oom_count() > self._oom_before
 
-    def oom_kills(self) -> int:
-        """How many of this cgroup's processes the OOM killer ended (0 if unreadable)."""
+    def _oom_count(self) -> int:
         name = "memory.events" if self._version == 2 else "memory.oom_control"
         with contextlib.suppress(OSError, ValueError):
             for line in (self.path / name).read_text().splitlines():
@@ -71,7 +77,8 @@ class PoolCgroup:
     @classmethod
     def create(cls) -> PoolCgroup | None:
         """A new pool directory under the trainer's own memory cgroup, or None (logged once)
-        where the kernel does not let the trainer make limited child cgroups."""
+        where the kernel does not let the trainer make limited child cgroups (tried on a probe
+        worker cgroup, removed again)."""
         found = own_memory_cgroup()
         if found is None:
             _warn_once("no writable memory cgroup for this process")
@@ -79,12 +86,17 @@ class PoolCgroup:
         parent, version = found
         _remove_stale_pools(parent)
         path = parent / f"rlmtrain-{os.getpid()}-{next(_pool_numbers)}"
+        pool = cls(path, version)
         try:
             path.mkdir()
+            if version == 2:
+                (path / "cgroup.subtree_control").write_text("+memory")
+            pool.worker(-1, 64 << 20).remove()
         except OSError as exc:
-            _warn_once(f"cannot create {path}: {exc.strerror}")
+            pool.remove()
+            _warn_once(f"cannot make a limited cgroup in {parent}: {exc.strerror or exc}")
             return None
-        return cls(path, version)
+        return pool
 
     def worker(self, slot: int, limit_bytes: int) -> WorkerCgroup:
         """A fresh cgroup for the worker in `slot`, limited to `limit_bytes` of memory and no
@@ -99,7 +111,10 @@ class PoolCgroup:
             else:
                 (path / "memory.limit_in_bytes").write_text(str(limit_bytes))
                 # memory + swap may not go below memory alone: set after it, equal to it.
-                _write_if_present(path / "memory.memsw.limit_in_bytes", str(limit_bytes))
+                if (path / "memory.memsw.limit_in_bytes").exists():
+                    (path / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+                else:  # no swap accounting: keep the worker's pages out of swap instead
+                    _write_if_present(path / "memory.swappiness", "0")
         except OSError:
             _rmdir(path)
             raise

@@ -277,21 +277,32 @@ PLAIN_CALL_SYSTEM = (
 )
 
 
-_DECODE_NESTED_BYTES = 256 << 10
-"""The largest encoded context other than a string that a plain call decodes to show: nesting
-multiplies what msgpack decodes to (some 60x for empty lists), a string decodes to itself."""
+_DECODE_BUDGET_BYTES = 64 << 20
+"""What decoding a still-encoded context to show it in a plain call may cost the trainer."""
+_CONTAINER_HEADERS = bytes([*range(0x80, 0xA0), 0xDC, 0xDD, 0xDE, 0xDF])
+"""msgpack's map and array headers: each decodes to a container object of 56+ bytes."""
+
+
+def _decoded_size_bound(encoded: bytes) -> int:
+    """An upper bound on what `encoded` decodes to: a pointer (8 bytes) per byte, and 64 more
+    per byte that can start a map or an array (string bytes counted too: a bound, cheap)."""
+    containers = len(encoded) - len(encoded.translate(None, _CONTAINER_HEADERS))
+    return 8 * len(encoded) + 64 * containers
 
 
 def _context_text(context: Any) -> str:
     """What a plain call shows of a context: a string as is, anything else as its repr; one
-    still encoded by a worker (`msgspec.Raw`) is decoded here only where that is cheap."""
+    still encoded by a worker (`msgspec.Raw`) is decoded only within `_DECODE_BUDGET_BYTES`
+    (nesting multiplies what msgpack decodes to: some 60x for empty lists)."""
     if isinstance(context, msgspec.Raw):
-        head = memoryview(context)[:1].tobytes()
-        is_string = bool(head) and (0xA0 <= head[0] <= 0xBF or head[0] in (0xD9, 0xDA, 0xDB))
-        if not is_string and len(context) > _DECODE_NESTED_BYTES:
-            return f"[a context of {len(context)} encoded bytes, too large to show without a REPL]"
+        encoded = bytes(context)
+        is_string = bool(encoded) and (
+            0xA0 <= encoded[0] <= 0xBF or encoded[0] in (0xD9, 0xDA, 0xDB)
+        )
+        if not is_string and _decoded_size_bound(encoded) > _DECODE_BUDGET_BYTES:
+            return f"[a context of {len(encoded)} encoded bytes, too large to show without a REPL]"
         try:
-            context = msgspec.msgpack.decode(context)
+            context = msgspec.msgpack.decode(encoded)
         except (msgspec.DecodeError, RecursionError) as exc:
             return f"[a context that could not be decoded: {exc}]"
     return context if isinstance(context, str) else repr(context)

@@ -90,6 +90,9 @@ class Spawn(msgspec.Struct, tag=True, kw_only=True):
     context_msgpack: bytes | None = None
     """A context as another worker encoded it (msgpack), replacing the zygote's for this worker
     only; decoded by the worker after it is jailed, never by the trainer or the zygote."""
+    cgroup_procs: str = ""
+    """The `cgroup.procs` file of the worker's memory cgroup (`rlm/memcg.py`), which the worker
+    writes itself into before anything else; "" = none."""
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -396,8 +396,14 @@ class Zygote:
         try:
             if os.geteuid() == 0:
                 os.chown(workdir, uid, uid)
-            spawned = self._spawns[slot] = asyncio.get_running_loop().create_future()
             spawn = Spawn(slot=slot, uid=uid, gid=uid, workdir=workdir)
+            if self._cgroup is not None:
+                try:
+                    cgroup = self._cgroup.worker(slot, self.limits.memory_mb << 20)
+                except OSError as exc:
+                    raise RuntimeError(f"REPL worker's memory cgroup was refused: {exc}") from None
+                spawn.cgroup_procs = cgroup.procs
+            spawned = self._spawns[slot] = asyncio.get_running_loop().create_future()
             if isinstance(context, msgspec.Raw):
                 spawn.context_msgpack = bytes(context)
             elif context is not None:
@@ -405,15 +411,6 @@ class Zygote:
             await self._channel.send(spawn, theirs.fileno())
             theirs.close()
             pid, pidfd = await spawned
-            if self._cgroup is not None:
-                # Before its first exec: only the worker's own start-up is charged elsewhere.
-                try:
-                    cgroup = self._cgroup.worker(slot, self.limits.memory_mb << 20)
-                    cgroup.attach(pid)
-                except OSError as exc:
-                    raise RuntimeError(
-                        f"REPL worker could not be put in its memory cgroup: {exc}"
-                    ) from None
             reader, writer = await asyncio.open_unix_connection(sock=ours)
             session = Session(
                 zygote=self,
@@ -619,7 +616,7 @@ class Session:
             else:
                 if status is None:
                     reason = "the REPL zygote died and took the worker with it"
-                elif self._cgroup is not None and self._cgroup.oom_kills():
+                elif self._cgroup is not None and self._cgroup.oom_killed():
                     reason = (
                         f"the worker went over its memory limit of {self._limits.memory_mb} MiB "
                         "(its memory cgroup's OOM killer ended it)"
@@ -774,8 +771,11 @@ class Session:
         # Kill first: an exec in progress then sees its worker gone and returns.
         await self._kill("this REPL session is closed")
         self._watchdog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._watchdog
+        await asyncio.wait({self._watchdog})
+        if not self._watchdog.cancelled() and self._watchdog.exception() is not None:
+            log.warning(
+                "disk watchdog of REPL worker %d failed: %r", self.pid, self._watchdog.exception()
+            )
         async with self._lock:
             pass
         # Until the zygote has reaped it, the worker still counts against its uid's thread limit.

@@ -12,11 +12,14 @@ not remove comes back as a short list of problems for the caller to log.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from typing import NamedTuple
 
 __all__ = ["DiskUsage", "disk_usage", "remove_tree", "unlinked_open_bytes"]
+
+log = logging.getLogger(__name__)
 
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_PROBLEMS = 8
@@ -121,6 +124,9 @@ def unlinked_open_bytes(pid: int) -> int:
     total = 0
     try:
         names = os.listdir(fds)
+    except PermissionError:
+        _warn_unreadable_fds(fds)
+        return 0
     except OSError:
         return 0
     for name in names:
@@ -133,6 +139,22 @@ def unlinked_open_bytes(pid: int) -> int:
         if stat.S_ISREG(info.st_mode) and info.st_nlink == 0:
             total += info.st_blocks * 512
     return total
+
+
+_fds_warned = False
+
+
+def _warn_unreadable_fds(fds: str) -> None:
+    """A worker under another uid is not dumpable: reading its descriptors needs CAP_SYS_PTRACE,
+    which many containers drop. Then files it unlinks but keeps open go uncounted: said once."""
+    global _fds_warned
+    if not _fds_warned:
+        _fds_warned = True
+        log.warning(
+            "cannot read %s (no CAP_SYS_PTRACE): files REPL workers unlink but keep open are not "
+            "counted against their disk limit",
+            fds,
+        )
 
 
 def disk_usage(path: str, *, stop_bytes: int, stop_entries: int) -> DiskUsage:

@@ -313,6 +313,10 @@ def _worker_main(
         os.close(devnull)
         channel = _Channel(socket.socket(fileno=_WORKER_FD), limits.max_frame_bytes)
         try:
+            if spawn.cgroup_procs:
+                # First: whatever this worker allocates from here on is charged to its cgroup.
+                with open(spawn.cgroup_procs, "w") as procs:
+                    procs.write("0")
             if spawn.context is not None:
                 context = pickle.loads(spawn.context)
             os.chdir(spawn.workdir)
