@@ -308,14 +308,21 @@ def test_a_hoard_written_between_execs_ends_the_session_while_idle(temp_dir):
     run_with_zygote(body, temp_dir, limits=limits)
 
 
-def test_a_query_context_stays_encoded_in_the_trainer(temp_dir):
-    """1 MB of empty lists decodes to ~60 MiB of objects: the trainer keeps the bytes, and only
-    the child's own worker decodes them, under its own limits."""
+def recording_handler():
+    """A query handler answering "ok" to every prompt, and the list of contexts it was given."""
     received = []
 
     async def handler(prompts, contexts):
         received.extend(contexts)
         return ["ok"] * len(prompts)
+
+    return handler, received
+
+
+def test_a_query_context_stays_encoded_in_the_trainer(temp_dir):
+    """1 MB of empty lists decodes to ~60 MiB of objects: the trainer keeps the bytes, and only
+    the child's own worker decodes them, under its own limits."""
+    handler, received = recording_handler()
 
     async def body(zygote):
         session = await zygote.session()
@@ -339,11 +346,7 @@ def test_a_query_context_stays_encoded_in_the_trainer(temp_dir):
 
 
 def test_a_context_too_big_for_the_child_fails_that_child_alone(temp_dir):
-    received = []
-
-    async def handler(prompts, contexts):
-        received.extend(contexts)
-        return ["ok"] * len(prompts)
+    handler, received = recording_handler()
 
     async def body(zygote):
         session = await zygote.session()
