@@ -19,8 +19,11 @@ Choices: pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large
 Trained on Code", eq. 1) over each task's scored roots, with "pass" = score >= `pass_threshold`
 (0.5 by default: the rewards here are continuous, span F1 or a judge score in [0, 1]). A root the
 reward could not score (None) is left out of the means and of pass@k and counted in `unscored`,
-never read as 0. Metrics that do not apply (span F1 without gold evidence, spawn rate over
-multi-paper tasks when there are none) are None, not 0.
+never read as 0. `reward_by_kind` is the mean root score per query family (a task's `kind`,
+e.g. the evidence env's datasets / baselines / results / limitation): a policy that has learnt
+three families and not the fourth shows it here, where the overall mean hides it. Metrics that
+do not apply (span F1 without gold evidence, spawn rate over multi-paper tasks when there are
+none, per-kind means when no task has a kind) are None, not 0.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def summarize(
     task_pass_1: list[float] = []
     span_scores: list[float] = []
     spawned_multi: list[bool] = []
+    kind_scores: dict[str, list[float]] = {}
     for task, group, values in zip(tasks, groups, scores, strict=True):
         group_roots = group.roots
         if len(values) != len(group_roots):
@@ -110,6 +114,8 @@ def summarize(
         scored = [v for v in values if v is not None]
         unscored += len(values) - len(scored)
         root_scores.extend(scored)
+        if kind := getattr(task, "kind", ""):
+            kind_scores.setdefault(kind, []).extend(scored)
         if scored:
             passed = sum(v >= pass_threshold for v in scored)
             task_pass.append(pass_at_k(len(scored), passed, min(samples, len(scored))))
@@ -137,6 +143,11 @@ def summarize(
         "samples": samples,
         "roots": len(roots),
         "reward_mean": _mean(root_scores),
+        "reward_by_kind": (
+            {kind: _mean(kind_scores[kind]) for kind in sorted(kind_scores)}
+            if kind_scores
+            else None
+        ),
         "unscored": unscored,
         "pass_k": samples,
         "pass_threshold": pass_threshold,
@@ -287,6 +298,7 @@ def format_report(report: dict[str, Any]) -> str:
     k, threshold = report["pass_k"], report["pass_threshold"]
     rows = [
         ("reward mean", _num(report["reward_mean"]) + f"  ({report['unscored']} unscored)"),
+        ("reward by query kind", _by_kind(report["reward_by_kind"])),
         (f"pass@{k} (score >= {threshold:g})", _num(report["pass_at_k"])),
         (f"pass@1 (score >= {threshold:g})", _num(report["pass_at_1"])),
         ("span F1", _num(report["span_f1"])),
@@ -316,6 +328,10 @@ def _num(value: float | None, digits: int = 4) -> str:
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
+
+
+def _by_kind(means: dict[str, float | None] | None) -> str:
+    return " ".join(f"{kind}={_num(mean, 3)}" for kind, mean in (means or {}).items()) or "-"
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -244,12 +244,13 @@ class RunLog:
         header = ["stage", "step", "held-out reward"]
         k = next((r["pass_k"] for _, r in self._evals if "pass_k" in r), self._cfg.eval.samples)
         header += [f"pass@{k}"] if with_pass else []
-        header += ["spawn rate", "children/root", "tasks"]
+        header += ["spawn rate", "multi-paper spawn", "children/root", "tasks"]
+        columns = ("spawn_rate", "spawn_rate_multi", "children_per_root", "tasks")
         lines = [header]
         for position, report in self._evals:
             cells = [self._stage(report), str(position), _cell(report.get("reward_mean"))]
             cells += [_cell(report.get("pass_at_k"))] if with_pass else []
-            cells += [_cell(report.get(k)) for k in ("spawn_rate", "children_per_root", "tasks")]
+            cells += [_cell(report.get(k)) for k in columns]
             lines.append(cells)
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         rows = [

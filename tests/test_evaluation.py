@@ -46,9 +46,19 @@ def _span(pid: str) -> EvidenceSpan:
 
 
 TASKS = [
-    EvidenceTask(id="one", query="Which datasets?", paper_ids=["p0"], evidence=[_span("p0")]),
     EvidenceTask(
-        id="two", query="Which training data?", paper_ids=["p0", "p1"], evidence=[_span("p1")]
+        id="one",
+        query="Which datasets?",
+        paper_ids=["p0"],
+        evidence=[_span("p0")],
+        kind="datasets",
+    ),
+    EvidenceTask(
+        id="two",
+        query="Which training data?",
+        paper_ids=["p0", "p1"],
+        evidence=[_span("p1")],
+        kind="results",
     ),
 ]
 
@@ -143,6 +153,7 @@ def test_summarize_hand_built_groups() -> None:
         "samples": 2,
         "roots": 4,
         "reward_mean": pytest.approx((0.4 + 0.0 + 0.8) / 3),  # the None is not a 0
+        "reward_by_kind": {"datasets": pytest.approx(0.2), "results": 0.8},
         "unscored": 1,
         "pass_k": 2,
         "pass_threshold": 0.5,
@@ -180,11 +191,13 @@ def test_summarize_threshold_and_missing_metrics() -> None:
     text = format_report({"phase": "eval", "step": 3, **report})
     assert "pass@2 (score >= 0.3)" in text and "1.0000" in text
     assert "final=2 max_turns=1 timeout=1" in text
+    assert "datasets=0.200 results=0.800" in text
 
     # Tasks without gold evidence or papers: span F1 and the multi-paper rate do not apply.
     plain = [Task(id="one", query="q"), Task(id="two", query="q")]
     report = summarize(plain, groups, [[None, None], [None, None]], samples=2, seconds=0)
     assert report["span_f1"] is None and report["spawn_rate_multi"] is None
+    assert report["reward_by_kind"] is None
     assert report["reward_mean"] is None and report["pass_at_k"] is None
     assert report["unscored"] == 4
     assert "-" in format_report(report)

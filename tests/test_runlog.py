@@ -124,6 +124,7 @@ def eval_report(phase: str, step: int, reward: float, **extra) -> dict:
         "tasks": 12,
         "children_per_root": 1.5,
         "spawn_rate": 0.25,
+        "spawn_rate_multi": 0.75,
         **extra,
     }
 
@@ -326,18 +327,19 @@ def test_summary_table_rows_in_order_and_aligned(tmp_path):
     lines = run.summary_table().splitlines()
     assert len(lines) == 2 + 4
     header, rule, *rows = lines
-    for column in ("stage", "held-out reward", "pass@1", "spawn rate", "children/root", "tasks"):
+    for column in ("stage", "held-out reward", "pass@1", "spawn rate", "multi-paper spawn"):
         assert column in header
+    assert header.split()[-2:] == ["children/root", "tasks"]
     assert [row.split("  ")[0].strip() for row in rows] == [
         "init",
         "after SFT",
         "RL step 1",
         "after RL",
     ]
-    assert rows[0].split() == ["init", "0", "0.125", "-", "0.250", "1.500", "12"]
-    assert rows[1].split()[-5:] == ["0.250", "0.500", "0.250", "1.500", "12"]
-    assert rows[2].split()[-4:] == ["-", "0.500", "1.500", "12"]
-    assert rows[3].split()[-5:] == ["0.625", "0.875", "0.250", "2.250", "7"]
+    assert rows[0].split() == ["init", "0", "0.125", "-", "0.250", "0.750", "1.500", "12"]
+    assert rows[1].split()[-6:] == ["0.250", "0.500", "0.250", "0.750", "1.500", "12"]
+    assert rows[2].split()[-5:] == ["-", "0.500", "0.750", "1.500", "12"]
+    assert rows[3].split()[-6:] == ["0.625", "0.875", "0.250", "0.750", "2.250", "7"]
     assert len({len(line) for line in lines}) == 1, "columns are not aligned"
     assert set(rule) == {"-", " "}
 
