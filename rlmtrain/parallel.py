@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +68,23 @@ def start(device_choice: str, *, timeout_s: float = 1800.0) -> tuple[World, torc
     return world, device
 
 
+# A gloo worker thread drops a finished collective's tensors a moment after the caller sees it
+# complete, and freeing a tensor Python also knew takes the GIL. If the interpreter has begun to
+# finalize by then, Python ends that thread inside a C++ destructor and the process aborts
+# ("terminate called without an active exception", SIGABRT) after a run that succeeded. Destroying
+# the group does not join those threads (torch's functional collectives keep the group alive in
+# C++ until exit), so a rank that leaves hands them the GIL first: sleeping releases it, and a
+# runnable thread is scheduled well within this even on an oversubscribed machine.
+_GLOO_WORKERS_SETTLE_S = 0.25
+
+
 def stop() -> None:
+    """Leave the process group; the last thing a rank does with it."""
     if dist.is_initialized():
+        uses_gloo = dist.get_backend() == "gloo"
         dist.destroy_process_group()
+        if uses_gloo:
+            time.sleep(_GLOO_WORKERS_SETTLE_S)
 
 
 def shard(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype) -> Any:
