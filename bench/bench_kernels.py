@@ -37,9 +37,9 @@ import torch
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss, tiles
 
 V = 151936
-H200_BF16_PEAK_FLOPS = 790e12  # dense bf16 8192^3 matmul as measured on the card (REFERENCES.md)
+H200_BF16_PEAK_FLOPS = 790e12  # dense bf16 8192^3 matmul as measured on an H200
 DATASHEET_BF16_PEAK_FLOPS = 989.4e12  # H100/H200 SXM dense bf16, the vendor's figure
-H200_COPY_BYTES_PER_S = 4.3e12  # device copy, bytes read + written, as measured (REFERENCES.md)
+H200_COPY_BYTES_PER_S = 4.3e12  # device-to-device copy, bytes read + written, measured on an H200
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 LIGER_SEQ = 512  # Liger takes padded [B, T] batches; N tokens become N / 512 sequences
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None

@@ -15,8 +15,8 @@ binds; the clip metrics read 0), tis = exp(logp - sampler_logp) carries no gradi
 trainer needs no second forward for old_logp.
 The truncated importance-sampling factor corrects for the engine's sampler differing from the
 trainer; it scales the policy term only (as verl and Liger do) and carries no gradient. All the
-trajectory-tree normalisation lives in `weights` (one fp32 weight per token, SPEC §4), so the loss
-is a plain weighted sum and needs no knowledge of sequences.
+trajectory-tree normalisation lives in `weights` (one fp32 weight per token, docs/algorithm.md
+§4), so the loss is a plain weighted sum and needs no knowledge of sequences.
 
 Metrics (`GRPOMetrics`) are fp32 0-dim tensors computed in the same pass, without host syncs.
 They are unweighted averages over the counted tokens, those with weight != 0:

@@ -1,4 +1,4 @@
-"""Held-out evaluation (SPEC.md §5): k trees per task, scored, summarised into one flat report.
+"""Held-out evaluation (docs/algorithm.md §5): k trees per task, scored, summarised in one report.
 
 `evaluate` rolls the held-out tasks out through the same `Scheduler`, engine and environment as
 training, so an evaluation measures the policy exactly as RL samples it (temperature and top-p of

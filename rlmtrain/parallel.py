@@ -8,8 +8,8 @@ The policy is sharded with FSDP2 (`shard`): one unit per decoder block and the r
 the embedding, the final norm and the LM head. Parameters and optimizer state stay fp32 (the
 master weights); a bf16 `compute_dtype` is FSDP2's mixed-precision policy, which all-gathers
 bf16 copies for the forward and backward and reduces gradients in fp32. Gradients are summed
-over ranks, not averaged: every token weight already divides by the global batch (SPEC.md §4),
-so a rank's loss is its share of one objective.
+over ranks, not averaged: every token weight already divides by the global batch
+(docs/algorithm.md §4), so a rank's loss is its share of one objective.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python -m rlmtrain.train --config ...                      (the same, one process)
     torchrun --nproc_per_node 8 -m rlmtrain.train --config ... (one rank per device)
 
-Read top to bottom, it is the whole loop of ARCHITECTURE.md:
+Read top to bottom, it is the whole loop of docs/architecture.md:
 
 1. data: the env's three disjoint task sets (`Env.split_tasks`): the SFT slice, the RL tasks and
    the held-out evaluation tasks, each from its file or synthesised from its own paper groups
@@ -349,8 +349,8 @@ async def _rl(
             )
         )
         kept, dropped, unscored = (int(c) for c in counts.tolist())
-        # Every weight divides by the global count of kept groups: SPEC §4's objective for the
-        # whole batch, of which each rank holds a share.
+        # Every weight divides by the global count of kept groups: docs/algorithm.md §4's
+        # objective for the whole batch, of which each rank holds a share.
         local = build_samples(groups, advantages, cfg.algo, num_groups=max(1, kept))
         flat_local = [r for rs in scores for r in rs if r is not None]
         shares = parallel.all_gather((local, flat_local))
@@ -625,8 +625,8 @@ def _reference(
 def _with_exploration_bonus(
     groups: list[RolloutGroup], scores: list[list[float | None]], cfg: Config, step: int
 ) -> list[list[float | None]]:
-    """R_n = r + beta_n * b * 1[r = 1] (SPEC.md §3), b the tree's tool diversity, beta_n the
-    cosine schedule over the RL steps; the scores unchanged when the bonus is off."""
+    """R_n = r + beta_n * b * 1[r = 1] (docs/algorithm.md §3), b the tree's tool diversity,
+    beta_n the cosine schedule over the RL steps; the scores unchanged when the bonus is off."""
     if cfg.algo.exploration_beta <= 0:
         return scores
     beta = beta_schedule(step, cfg.train.steps, cfg.algo.exploration_beta)
@@ -754,7 +754,7 @@ async def _teacher_samples(
     cfg: Config, env: Env, tasks: list[Task], tokenizer: Tokenizer
 ) -> list[Sample]:
     """The SFT samples: the env's scripted teacher plays `tasks` through the scheduler; trees
-    with a REPL error or a zero score (the env's own reward) are dropped (SPEC.md §5)."""
+    with a REPL error or a zero score (the env's own reward) are dropped (docs/algorithm.md §5)."""
     began = time.perf_counter()
     groups = await env.teach(tasks, tokenizer, cfg)
     scores = {}

@@ -5,7 +5,7 @@ packing; a small fp64 model reads the packed tensors the way the trainer will (t
 embeddings, a causal prefix mean inside each cu_seqlens segment, a linear head), and the
 per-token loss is ℓ = -exp(logp - sampler_logp) · A. The gradient of Σ weight·ℓ must agree to
 1e-10 between one micro-batch, seven, a shuffled order, a packed plan and two simulated ranks,
-and Σ weight·ℓ itself must equal J computed straight from SPEC.md §4's recursion.
+and Σ weight·ℓ itself must equal J computed straight from docs/algorithm.md §4's recursion.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ def test_top_level_layout():
         "bench",
         "tests",
         "configs",
+        "docs",
         "pyproject.toml",
         "README.md",
         ".ci",
@@ -52,3 +53,22 @@ def test_top_level_layout():
     ).stdout
     top = {line.split("/", 1)[0] for line in listed.splitlines()}
     assert top - allowed - tool_files == set(), "unexpected top-level entries"
+
+
+# A path ending in .md, not part of a longer word or path (so "docs/algorithm.md" as a whole).
+_MD_PATH = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.md)\b")
+
+
+def test_every_cited_markdown_file_is_in_the_repository():
+    """Comments and docstrings cite `docs/algorithm.md §4` and the like; each must be there."""
+    listed = subprocess.run(
+        ["git", "ls-files", "*.py", "*.sh", "*.toml", "*.md"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    cited: dict[str, set[str]] = {}
+    for name in listed:
+        for path in _MD_PATH.findall((ROOT / name).read_text()):
+            cited.setdefault(path, set()).add(name)
+    assert "docs/algorithm.md" in cited and "docs/architecture.md" in cited
+    missing = {path: sorted(where) for path, where in cited.items() if not (ROOT / path).is_file()}
+    assert not missing, f"cited but not in the repository: {missing}"

@@ -1,4 +1,4 @@
-"""GRPO advantages over trajectory trees (SPEC.md §3-§4).
+"""GRPO advantages over trajectory trees (docs/algorithm.md §3-§4).
 
 Only roots are rewarded. Within a task's group the scored roots give
 A_g = (r_g - mean) / (std + eps), or r_g - mean without std normalisation. Every turn of a root

@@ -1,4 +1,4 @@
-"""One training sample per turn (SPEC.md §1: turn t+1's prompt is not an extension of turn t's).
+"""One training sample per turn (docs/algorithm.md §1: turn t+1's prompt does not extend turn t's).
 
 A sample's `input_ids` are the turn's `prompt_ids + completion_ids` exactly as the engine saw
 and produced them; nothing is re-tokenised. Per-token values follow the next-token alignment of a

@@ -1,4 +1,4 @@
-"""Cold-start SFT on teacher trees through the RL sample path (SPEC.md §5).
+"""Cold-start SFT on teacher trees through the RL sample path (docs/algorithm.md §5).
 
 Teacher trajectories are the same records as rollouts. A tree (a root and all its descendants)
 is dropped if any of its turns hit a REPL error, otherwise if its root scores <= 0 (span F1 of

@@ -1,8 +1,8 @@
 """Per-token loss weights: the whole tree objective folded into one number per token.
 
-SPEC.md §4 averages a trajectory's tokens into its loss, averages a trajectory's children's
-losses and adds them to its own (recursively), averages over the G roots of a group and over the
-groups of the batch. Every step is linear, so J(θ) = Σ_tokens weight_t · ℓ_t with
+docs/algorithm.md §4 averages a trajectory's tokens into its loss, averages a trajectory's
+children's losses and adds them to its own (recursively), averages over the G roots of a group
+and over the groups of the batch. Every step is linear, so J(θ) = Σ_tokens weight_t · ℓ_t with
 
     share(root)  = 1 / G                      G = scored roots of the group
     share(child) = share(parent) / k          k = the parent's number of children

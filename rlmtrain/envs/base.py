@@ -3,7 +3,7 @@
 An environment is everything task-specific that the RLM runtime needs and nothing else: the
 system prompt (strategy + tool docs), the per-turn user message, the context object put into the
 REPL, the modules whose `TOOLS` lists are injected there, and the reward of finished trees. It
-knows no engine and no model (ARCHITECTURE.md), so the same env serves rollouts, teachers and
+knows no engine and no model (docs/architecture.md), so the same env serves rollouts, teachers and
 evaluation.
 
 Tasks are msgspec Structs subclassing `Task` (an `id` and a `query`), one per JSONL line. A bad
@@ -64,8 +64,9 @@ class Env:
     """Base class of environments. Subclasses set `name` and `task_type` and override the methods.
 
     The runtime calls, per trajectory turn: `system_prompt()` once, `user_prompt(task, turn,
-    max_turns)` every turn (rewritten, not accumulated: SPEC.md §1), `context(task)` once per
-    REPL, `tool_modules()` once per REPL zygote, and `reward(task, group)` once per finished group.
+    max_turns)` every turn (rewritten, not accumulated: docs/algorithm.md §1), `context(task)`
+    once per REPL, `tool_modules()` once per REPL zygote, and `reward(task, group)` once per
+    finished group.
     """
 
     name: ClassVar[str] = ""
@@ -103,7 +104,8 @@ class Env:
         return []
 
     async def reward(self, task: Task, group: RolloutGroup) -> RewardResult:
-        """Score each root trajectory of `group` (children are never scored: SPEC.md §3)."""
+        """Score each root trajectory of `group` (children are never scored, docs/algorithm.md
+        §3)."""
         raise NotImplementedError(f"{type(self).__name__}.reward")
 
     async def root_scores(
@@ -175,7 +177,8 @@ class Env:
         return [self.system_prompt(), *(task.query for task in tasks)]
 
     async def teach(self, tasks: list[Task], tokenizer: Any, config: Config) -> list[RolloutGroup]:
-        """The scripted teacher's trees for `tasks` (SFT data, SPEC.md §5), one group each."""
+        """The scripted teacher's trees for `tasks` (SFT data, docs/algorithm.md §5), one group
+        each."""
         raise ValueError(f"train.sft_steps: env '{self.name}' has no scripted teacher; set it to 0")
 
 

@@ -1,4 +1,4 @@
-"""BookNavigator (SPEC §2, seed 002): prove a statement by studying a textbook through tools.
+"""BookNavigator (docs/algorithm.md §2): prove a statement by studying a textbook through tools.
 
 The REPL's `context` is the book (ordered sections of id, title and text); the model looks things
 up with `get_toc`, `search_index` and `read_section` (`booknav_tools`) and ends with its proof.

@@ -1,4 +1,4 @@
-"""BookNavigator's REPL tools (SPEC §2, seed 002): a table of contents, an index, and sections.
+"""BookNavigator's REPL tools (docs/algorithm.md §2): a table of contents, an index, and sections.
 
 Standard library only (with `repl_context`): every REPL zygote imports this module. The book
 is the REPL's `context`, a dict {"title": str, "sections": [{"id", "title", "text"}, ...]} in

@@ -1,4 +1,4 @@
-"""Code navigation (SPEC §2, seed 001): answer "where does A call B?" about a Python code base.
+"""Code navigation (docs/algorithm.md §2): answer "where does A call B?" about a Python code base.
 
 The REPL's `context` is the code base as one string with position markers (`codenav_tools.
 render_codebase`); the model navigates it with `search_code`, `goto_definition` and `list_calls`

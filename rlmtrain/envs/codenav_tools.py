@@ -1,4 +1,4 @@
-"""Code navigation REPL tools (SPEC §2, seed 001): search, jump to a definition, list calls.
+"""Code navigation REPL tools (docs/algorithm.md §2): search, jump to a definition, list calls.
 
 Standard library only (with `repl_context`): every REPL zygote imports this module. The code
 base is the REPL's `context`, one string in which every source line carries its position and

@@ -1,4 +1,4 @@
-"""Evidence selection (SPEC.md §2, seed 000): quote the passages of papers that answer a query.
+"""Evidence selection (docs/algorithm.md §2): quote the passages of papers that answer a query.
 
 The REPL's `context` is a dict paper id -> {"title", "abstract", "text"}, the text parsed from
 PDF (noisy on purpose); the tools are `evidence_tools`. A task names its papers and its gold

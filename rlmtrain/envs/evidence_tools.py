@@ -1,4 +1,4 @@
-"""The evidence environment's REPL tools (SPEC.md §2), injected into every worker via `TOOLS`.
+"""The evidence environment's REPL tools (docs/algorithm.md §2), injected into workers via `TOOLS`.
 
 Standard library only: each REPL zygote imports this module, and worker start-up time is paid
 per tree. The docstrings are what the model reads in its system prompt, so every edge case is

@@ -1,11 +1,11 @@
 """Scripted teachers play through the real scheduler, as RL rollouts do.
 
-Cold-start SFT data (SPEC.md §5) must be the records a policy leaves, so every env's teacher
-plays through exactly the path RL takes: the `Scheduler`, its REPLs, limits and records, with a
-scripted engine (`SimEngine` over a `reply`) in place of the model. A reply reads the prompt as
-a policy would, from its last user message alone (the query and the turn number), and answers
-with that turn's block of the expert's plan, fenced; past the end of its plan it says nothing,
-so a plan that failed in the REPL cannot pass for a finished one.
+Cold-start SFT data (docs/algorithm.md §5) must be the records a policy leaves, so every env's
+teacher plays through exactly the path RL takes: the `Scheduler`, its REPLs, limits and
+records, with a scripted engine (`SimEngine` over a `reply`) in place of the model. A reply
+reads the prompt as a policy would, from its last user message alone (the query and the turn
+number), and answers with that turn's block of the expert's plan, fenced; past the end of its
+plan it says nothing, so a plan that failed in the REPL cannot pass for a finished one.
 """
 
 from __future__ import annotations

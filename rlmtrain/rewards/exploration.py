@@ -1,4 +1,4 @@
-"""The annealed exploration bonus of BookNavigator (SPEC §3, seed 002).
+"""The annealed exploration bonus of BookNavigator (docs/algorithm.md §3).
 
     R_n(τ) = r(τ) + β_n · b(τ) · 1[r(τ) ≥ 1]
 

@@ -1,4 +1,4 @@
-"""LLM judges: the rubric judge of evidence answers (SPEC §3, seed 000) and the pass/fail proof
+"""LLM judges: the rubric judge of evidence answers (docs/algorithm.md §3) and the pass/fail proof
 judge of BookNavigator (seed 002, see `ProofJudge`).
 
 The judge model sees the query, the ground-truth evidence and the prediction, and must reply with

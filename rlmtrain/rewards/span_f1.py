@@ -1,4 +1,4 @@
-"""Span F1: the verifiable reward for evidence selection and the SFT filter (SPEC §3).
+"""Span F1: the verifiable reward for evidence selection and the SFT filter (docs/algorithm.md §3).
 
 Definition. Both sides are normalised (lower-cased, every run of whitespace collapsed to one
 space, stripped), then cut into overlapping character n-grams (n = 5 by default). A string

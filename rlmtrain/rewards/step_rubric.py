@@ -1,4 +1,4 @@
-"""Rubric step rewards of LongTraceRL (SPEC §3, seed 001): a dense per-turn signal on top of the
+"""Rubric step rewards of LongTraceRL (docs/algorithm.md §3): a dense per-turn signal on top of the
 sparse final reward, added to each turn's advantage by the algorithm.
 
 Each turn t of a trajectory gets four numbers and their weighted sum

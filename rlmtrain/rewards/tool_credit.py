@@ -1,4 +1,4 @@
-"""Turn-level tool credit (SPEC §3, seed 002): label each turn useful (+1), neutral (0) or
+"""Turn-level tool credit (docs/algorithm.md §3): label each turn useful (+1), neutral (0) or
 harmful (-1).
 
 The algorithm turns labels into advantages (Ã_t = A + α·|A|·(c_t − c̄), in `rlmtrain.algo`);

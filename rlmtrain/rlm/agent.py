@@ -1,6 +1,7 @@
 """One trajectory of an RLM: prompt, generate, extract, exec, until it ends.
 
-`run_trajectory` drives a single trajectory against one REPL `Session`, turn by turn (SPEC.md §1):
+`run_trajectory` drives a single trajectory against one REPL `Session`, turn by turn
+(docs/algorithm.md §1):
 
     messages (prompts.py) -> chat template -> token ids   (over max_prompt_tokens: "context")
     -> await generate(ids)                                (engine "abort": "aborted")
@@ -82,7 +83,7 @@ class ChatTokenizer(Protocol):
 
 
 class AgentLimits(msgspec.Struct, kw_only=True, frozen=True):
-    """The per-trajectory limits of SPEC.md §1 (the REPL's own are `ReplLimits`)."""
+    """The per-trajectory limits of docs/algorithm.md §1 (the REPL's own are `ReplLimits`)."""
 
     max_turns: int = 6
     max_depth: int = 1

@@ -4,8 +4,8 @@ The rule, stated once here and quoted verbatim into the system prompt (`CODE_BLO
 the block opens with a line that is exactly ```python and closes at the next line that is
 exactly ``` (surrounding spaces allowed); text before and after it is ignored, and any later
 block is never run. Public RLM code tells the model "the first block runs" and then runs the last
-one, or scans the whole completion, fences and prose included, for FINAL (REFERENCES.md); here
-the prompt and this module cannot disagree because the prompt quotes this module. Whether FINAL
+one, or scans the whole completion, fences and prose included, for FINAL with a regex; here the
+prompt and this module cannot disagree because the prompt quotes this module. Whether FINAL
 ran is decided by the REPL executing it, never by looking at text.
 
 Stopping. A turn ends at the closing fence: the engine is given `STOP_STRINGS`, "\\n```\\n", the

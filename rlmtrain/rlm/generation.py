@@ -1,7 +1,7 @@
 """The engine-agnostic shape of one generation request and its result.
 
 The RLM runtime asks for completions through a plain async function, `GenerateFn`, so that it
-knows no engine and no torch (ARCHITECTURE.md): the native engine, vLLM and the simulated
+knows no engine and no torch (docs/architecture.md): the native engine, vLLM and the simulated
 engine all adapt to it, and tests drive the agent with a scripted one. `rollout` re-exports these
 types as the Engine contract.
 

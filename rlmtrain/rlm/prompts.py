@@ -1,4 +1,4 @@
-"""The per-turn prompt of SPEC.md §1, as chat messages.
+"""The per-turn prompt of docs/algorithm.md §1, as chat messages.
 
 Every turn the prompt is rebuilt from scratch:
 
