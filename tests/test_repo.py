@@ -23,9 +23,12 @@ def test_readme_has_exactly_two_setup_commands():
     assert "pytest" in commands[1]
 
 
-def test_ci_runs_the_readme_test_command():
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert _setup_commands()[1].strip() in ci.splitlines()
+def test_ci_runs_the_readme_test_command_after_lint():
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    ruff = lines.index(".venv/bin/ruff check . && .venv/bin/ruff format --check .")
+    install, pytest = lines[ruff - 1], lines[ruff + 1]
+    assert f"{install} && {pytest}" == _setup_commands()[1].strip()
+    assert "set -euo pipefail" in lines
 
 
 def test_readme_config_reference_is_current():
