@@ -278,3 +278,39 @@ def test_a_plain_call_decodes_an_encoded_context_only_where_it_is_cheap():
     nested = msgspec.Raw(encode([[]] * 1_000_000))  # 1 MB that would decode to ~60 MiB
     assert "too large to show without a REPL" in shown(nested)
     assert "could not be decoded" in shown(msgspec.Raw(b"\x92\x01"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer side needs no compiled extension
+# ---------------------------------------------------------------------------------------------
+
+_WITHOUT_JAIL = """
+import sys
+
+class RefuseJail:
+    def find_spec(self, name, path=None, target=None):
+        if name == "rlmtrain._jail":
+            raise ImportError("the compiled jail is not importable here")
+
+sys.meta_path.insert(0, RefuseJail())
+from rlmtrain.envs.evidence import EvidenceEnv
+from rlmtrain.rlm.code_calls import tool_names
+import rlmtrain.rlm.agent, rlmtrain.rollout.scheduler
+
+prompt = EvidenceEnv().system_prompt()
+assert "extract_section(" in prompt and "rlm_query_batched" in prompt, prompt[:500]
+assert "search" in tool_names(("rlmtrain.envs.evidence_tools",))
+assert "rlmtrain._jail" not in sys.modules
+print("ok")
+"""
+
+
+def test_prompts_agents_and_schedulers_build_without_the_jail():
+    """Only a REPL worker loads the jail; documenting tools for a prompt must not."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_JAIL], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -18,6 +18,7 @@ import functools
 from collections.abc import Collection
 
 from rlmtrain.rlm.records import ToolCall
+from rlmtrain.rlm.tools import load_tools
 
 __all__ = ["SUBQUERY_BUILTINS", "calls_in_code", "tool_names"]
 
@@ -31,8 +32,6 @@ _ARGS_CHARS = 200
 @functools.cache
 def tool_names(module_names: tuple[str, ...]) -> frozenset[str]:
     """The names of an environment's tools, found as the worker finds them, and the builtins."""
-    from rlmtrain.rlm.worker import load_tools
-
     return SUBQUERY_BUILTINS | frozenset(load_tools(list(module_names)))
 
 

@@ -35,7 +35,7 @@ import msgspec
 
 from rlmtrain.rlm.extract import CLOSE_FENCE, CODE_BLOCK_RULE, OPEN_FENCE
 from rlmtrain.rlm.records import Turn
-from rlmtrain.rlm.worker import load_tools
+from rlmtrain.rlm.tools import load_tools
 
 __all__ = [
     "Message",
@@ -96,8 +96,8 @@ class RLMEnv(Protocol):
 def tool_docs(module_names: tuple[str, ...]) -> str:
     """One entry per tool: `name(signature)` and its docstring, indented.
 
-    The tools are resolved by the worker's own `load_tools`, so the docs list exactly the names
-    the REPL injects.
+    The tools are resolved by the `load_tools` the worker uses, so the docs list exactly the
+    names the REPL injects.
     """
     entries = []
     for name, tool in load_tools(list(module_names)).items():

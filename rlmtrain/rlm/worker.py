@@ -65,8 +65,9 @@ from rlmtrain.rlm.protocol import (
     send_frame,
 )
 from rlmtrain.rlm.teardown import remove_tree
+from rlmtrain.rlm.tools import load_tools
 
-__all__ = ["load_tools", "main", "readable_paths"]
+__all__ = ["main", "readable_paths"]
 
 _WORKER_FD = 3
 _EXIT_PROTOCOL = 3
@@ -74,27 +75,6 @@ _RUNTIME_FILES = frozenset({rlm_builtins.__file__, __file__})
 _TRUSTED_FRAME_BYTES = 1 << 40
 _zygote_decoder = msgspec.msgpack.Decoder(Boot | Spawn | Shutdown)
 _worker_decoder = msgspec.msgpack.Decoder(Exec | Answers)
-
-
-def load_tools(module_names: list[str]) -> dict[str, Callable]:
-    """Import tool modules; each exposes its tools as a module-level TOOLS list (or __all__)."""
-    tools: dict[str, Callable] = {}
-    for module_name in module_names:
-        module = importlib.import_module(module_name)
-        if hasattr(module, "TOOLS"):
-            functions = list(module.TOOLS)
-        elif hasattr(module, "__all__"):
-            functions = [getattr(module, name) for name in module.__all__]
-        else:
-            raise ValueError(f"tool module {module_name!r} has neither TOOLS nor __all__")
-        for fn in functions:
-            name = getattr(fn, "__name__", None)
-            if not callable(fn) or not name:
-                raise ValueError(f"tool module {module_name!r}: {fn!r} is not a named function")
-            if name in tools:
-                raise ValueError(f"tool {name!r} is defined twice (again in {module_name!r})")
-            tools[name] = fn
-    return tools
 
 
 _SYSTEM_READABLE = [
