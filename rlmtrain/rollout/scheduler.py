@@ -52,6 +52,7 @@ from rlmtrain.rlm.agent import (
     run_plain_call,
     run_trajectory,
 )
+from rlmtrain.rlm.prompts import RLMEnv
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 from rlmtrain.rlm.repl import ExecResult, QueryHandler, ReplLimits, Zygote
 from rlmtrain.rollout.engine import Completion, Engine, SamplingParams
@@ -176,7 +177,9 @@ class Scheduler:
 
     # -- public ----------------------------------------------------------------------------
 
-    async def rollout(self, tasks: Sequence[Any], env: Any, n_samples: int) -> list[RolloutGroup]:
+    async def rollout(
+        self, tasks: Sequence[Any], env: RLMEnv, n_samples: int
+    ) -> list[RolloutGroup]:
         """G = n_samples trees per task; one RolloutGroup per task, in task order."""
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
@@ -244,7 +247,7 @@ class Scheduler:
 
     # -- trees -----------------------------------------------------------------------------
 
-    async def _run_tree(self, run: _TaskRun, env: Any, sample_idx: int) -> None:
+    async def _run_tree(self, run: _TaskRun, env: RLMEnv, sample_idx: int) -> None:
         root = root_trajectory(run.task.id, sample_idx, run.task.query)
         run.group.trajectories.append(root)
         loop = asyncio.get_running_loop()
@@ -281,7 +284,7 @@ class Scheduler:
         task.add_done_callback(tree.tasks.discard)
         return task
 
-    async def _zygote(self, run: _TaskRun, env: Any) -> ReplHost:
+    async def _zygote(self, run: _TaskRun, env: RLMEnv) -> ReplHost:
         async with run.zygote_ready:
             if run.zygote is None:
                 run.zygote = await self.start_zygote(
@@ -298,7 +301,7 @@ class Scheduler:
 
     # -- trajectories ------------------------------------------------------------------------
 
-    def _agent(self, env: Any, tree: _Tree, depth: int) -> Agent:
+    def _agent(self, env: RLMEnv, tree: _Tree, depth: int) -> Agent:
         priority = (-depth, tree.order)
 
         async def generate(prompt_ids: list[int], params: SamplingParams) -> Completion:
@@ -315,7 +318,7 @@ class Scheduler:
         )
 
     async def _run_with_repl(
-        self, tree: _Tree, env: Any, zygote: ReplHost, trajectory: Trajectory, context: Any
+        self, tree: _Tree, env: RLMEnv, zygote: ReplHost, trajectory: Trajectory, context: Any
     ) -> None:
         depth = trajectory.depth
         reserve = max(self.config.max_depth - depth, 0)
@@ -344,7 +347,7 @@ class Scheduler:
                 await session.close()
 
     async def _spawn(
-        self, tree: _Tree, env: Any, zygote: ReplHost, calls: list[ChildCall]
+        self, tree: _Tree, env: RLMEnv, zygote: ReplHost, calls: list[ChildCall]
     ) -> list[str]:
         tree.run.group.trajectories.extend(call.trajectory for call in calls)
         children = []
@@ -364,7 +367,7 @@ class Scheduler:
             answers.append(child_answer(call.trajectory))
         return answers
 
-    async def _run_plain(self, tree: _Tree, env: Any, call: ChildCall) -> None:
+    async def _run_plain(self, tree: _Tree, env: RLMEnv, call: ChildCall) -> None:
         with tree.timeout_on_cancel(call.trajectory):
             await run_plain_call(
                 self._agent(env, tree, call.trajectory.depth),
