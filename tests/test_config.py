@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmtrain.config import Config, ConfigError, load_config, to_toml
+from rlmtrain.config import Config, ConfigError, RolloutConfig, load_config, to_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,3 +159,16 @@ def test_micro_batch_rule_yields_to_truncation():
     load_config(
         ROOT / "configs" / "tiny-cpu.toml", [*overrides, "--algo.truncate_long_samples=true"]
     )
+
+
+def test_agent_and_repl_limits_default_to_the_config():
+    """The rollout section declares every limit once; the agent's and the REPL's defaults are
+    read from it, so a default changed there changes them."""
+    from rlmtrain.rlm.agent import AgentLimits
+    from rlmtrain.rlm.generation import SamplingParams
+    from rlmtrain.rlm.repl import ReplLimits
+
+    rollout = RolloutConfig()
+    assert AgentLimits() == AgentLimits.from_config(rollout)
+    assert ReplLimits() == ReplLimits.from_config(rollout)
+    assert SamplingParams().max_new_tokens == rollout.max_new_tokens

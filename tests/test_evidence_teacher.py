@@ -155,3 +155,21 @@ def test_reply_reads_the_prompt_as_a_policy_would():
     assert reply(child.replace("Turn 2", "Turn 3"), "compact") == ""
     with pytest.raises(ValueError, match="no query or turn"):
         reply("<|im_start|>user\nhello", "compact")
+
+
+def test_teacher_repls_keep_the_configured_output_limit(env_and_tasks):
+    """The teacher's REPLs are the run's: `rollout.output_limit_chars` clips what they keep."""
+    import re
+
+    env, tasks = env_and_tasks
+    multi = [task for task in tasks if len(task.paper_ids) >= 3][:2]
+    config = RolloutConfig(
+        max_turns=5, max_depth=1, max_prompt_tokens=32768, max_new_tokens=2048,
+        output_limit_chars=500,
+    )  # fmt: skip
+    groups = asyncio.run(teach(env, multi, ByteTokenizer(), config))
+    outputs = [turn.output for g in groups for t in g.trajectories for turn in t.turns]
+    marker = re.compile(r"\n\.\.\. \[(\d+) characters cut\] \.\.\.\n")
+    cut = [out for out in outputs if marker.search(out)]
+    assert cut, "no output was long enough to be clipped"
+    assert all(len(marker.sub("", out)) <= 500 for out in outputs)

@@ -82,24 +82,35 @@ class ChatTokenizer(Protocol):
     ) -> list[int]: ...
 
 
-class AgentLimits(msgspec.Struct, kw_only=True, frozen=True):
-    """The per-trajectory limits of docs/algorithm.md §1 (the REPL's own are `ReplLimits`)."""
+# The rollout section of the config is where every limit and its default is declared; the agent
+# takes its defaults from there, so the two cannot drift.
+_ROLLOUT_DEFAULTS = RolloutConfig()
 
-    max_turns: int = 6
-    max_depth: int = 1
+
+def _history_budget_chars(max_prompt_tokens: int) -> int:
+    # About 4 characters a BPE token; a byte tokenizer overshoots and is shrunk per turn.
+    return 4 * max_prompt_tokens
+
+
+class AgentLimits(msgspec.Struct, kw_only=True, frozen=True):
+    """The per-trajectory limits of docs/algorithm.md §1 (the REPL's own are `ReplLimits`),
+    defaulting to the config's (`RolloutConfig`), where each is documented."""
+
+    max_turns: int = _ROLLOUT_DEFAULTS.max_turns
+    max_depth: int = _ROLLOUT_DEFAULTS.max_depth
     """Deepest trajectory with a REPL; the root is depth 0."""
-    depth_limit_mode: Literal["lm", "error"] = "lm"
+    depth_limit_mode: Literal["lm", "error"] = _ROLLOUT_DEFAULTS.depth_limit_mode
     """rlm_query at max_depth: a plain LM call (a leaf at depth + 1) or an error string."""
-    max_children_per_call: int = 10
-    max_children_per_trajectory: int = 16
-    max_new_tokens: int = 512
-    max_prompt_tokens: int = 8192
-    output_limit_chars: int = 4000
+    max_children_per_call: int = _ROLLOUT_DEFAULTS.max_children_per_call
+    max_children_per_trajectory: int = _ROLLOUT_DEFAULTS.max_children_per_trajectory
+    max_new_tokens: int = _ROLLOUT_DEFAULTS.max_new_tokens
+    max_prompt_tokens: int = _ROLLOUT_DEFAULTS.max_prompt_tokens
+    output_limit_chars: int = _ROLLOUT_DEFAULTS.output_limit_chars
     """What the REPL keeps of one exec's output; quoted to the model in the builtin docs."""
-    history_budget_chars: int = 32768
+    history_budget_chars: int = _history_budget_chars(_ROLLOUT_DEFAULTS.max_prompt_tokens)
     """Characters of history before older turns are shortened; shrunk further per trajectory when
     the templated prompt is still over max_prompt_tokens."""
-    plain_call_context_chars: int = 4000
+    plain_call_context_chars: int = _ROLLOUT_DEFAULTS.output_limit_chars
     """How much of an explicitly passed context a plain LM call sees."""
 
     def __post_init__(self) -> None:
@@ -120,8 +131,7 @@ class AgentLimits(msgspec.Struct, kw_only=True, frozen=True):
             max_new_tokens=config.max_new_tokens,
             max_prompt_tokens=config.max_prompt_tokens,
             output_limit_chars=config.output_limit_chars,
-            # About 4 characters a BPE token; a byte tokenizer overshoots and is shrunk per turn.
-            history_budget_chars=4 * config.max_prompt_tokens,
+            history_budget_chars=_history_budget_chars(config.max_prompt_tokens),
             plain_call_context_chars=config.output_limit_chars,
         )
 

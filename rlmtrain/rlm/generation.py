@@ -18,6 +18,8 @@ from typing import Literal
 
 import msgspec
 
+from rlmtrain.config import RolloutConfig
+
 __all__ = ["Completion", "EngineFinishReason", "GenerateFn", "SamplingParams"]
 
 EngineFinishReason = Literal["stop", "length", "abort"]
@@ -31,7 +33,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     """Nucleus mass; < 1 renormalises, which biases the trainer/sampler ratio."""
     top_k: int = 0
     """0 = no top-k cut."""
-    max_new_tokens: int = 512
+    max_new_tokens: int = RolloutConfig().max_new_tokens
+    """Defaults to the config's `rollout.max_new_tokens`, where the limit is declared."""
     stop_token_ids: list[int] = []
     """Generation ends after any of these ids (end of turn / end of text)."""
     stop_strings: list[str] = []

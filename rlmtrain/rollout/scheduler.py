@@ -152,11 +152,7 @@ class Scheduler:
             temperature=config.temperature, top_p=config.top_p
         )
         if start_zygote is None:
-            repl_limits = ReplLimits(
-                exec_timeout_s=config.repl_timeout_s,
-                memory_mb=config.repl_memory_mb,
-                output_limit_chars=config.output_limit_chars,
-            )
+            repl_limits = ReplLimits.from_config(config)
 
             async def start_zygote(*, context: Any, tool_modules: list[str]) -> ReplHost:
                 return await Zygote.start(
