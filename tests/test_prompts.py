@@ -9,6 +9,7 @@ import pytest
 
 from rlmtrain.envs.base import Env, Task
 from rlmtrain.model.tokenizer import ByteTokenizer
+from rlmtrain.rlm.builtins import clip_text
 from rlmtrain.rlm.extract import CODE_BLOCK_RULE, STOP_STRINGS, extract_code
 from rlmtrain.rlm.generation import Completion, SamplingParams
 from rlmtrain.rlm.prompts import (
@@ -17,7 +18,6 @@ from rlmtrain.rlm.prompts import (
     history_messages,
     plain_call_messages,
     query_message,
-    shorten,
     system_prompt,
     tool_docs,
     turn_messages,
@@ -229,9 +229,10 @@ def test_error_and_empty_output_are_shown():
     assert report == "REPL output:\n(nothing printed)\n\nREPL error:\nZeroDivisionError"
 
 
-def test_shorten_keeps_head_and_tail_and_says_what_was_cut():
-    assert shorten("abcdef", 10) == "abcdef"
-    assert shorten("a" * 10 + "b" * 10, 4) == "aa\n[... 16 characters cut ...]\nbb"
+def test_clip_text_keeps_head_and_tail_and_says_what_was_cut():
+    assert clip_text("abcdef", 10) == "abcdef"
+    assert clip_text("a" * 10 + "b" * 10, 4) == "aa\n... [16 characters cut] ...\nbb"
+    assert clip_text("abc", 0) == "\n... [3 characters cut] ...\n"
 
 
 def test_fresh_query_is_rewritten_each_turn_so_prompts_are_not_prefix_extensions():
@@ -261,7 +262,7 @@ def test_child_query_message_restates_the_query_and_turns_left():
 def test_plain_call_prompt_shows_passed_context_cut_to_size():
     messages = plain_call_messages("Summarise.", "z" * 100, context_chars=10)
     assert [m["role"] for m in messages] == ["system", "user"]
-    assert messages[1]["content"] == "Summarise.\n\nContext:\n" + shorten("z" * 100, 10)
+    assert messages[1]["content"] == "Summarise.\n\nContext:\n" + clip_text("z" * 100, 10)
     assert plain_call_messages("Hi?", None, context_chars=10)[1]["content"] == "Hi?"
     assert "'k': 1" in plain_call_messages("Hi?", {"k": 1}, context_chars=100)[1]["content"]
 

@@ -34,13 +34,19 @@ from rlmtrain.rlm.protocol import MAX_PROMPTS_PER_QUERY
 __all__ = ["FinalAnswer", "OutputCapture", "Toolbox", "clip_text"]
 
 
+def cut_note(count: int) -> str:
+    """What stands between the head and the tail of a clipped text: the one marker the model
+    sees for a cut, whether the REPL or the prompt builder made it."""
+    return f"\n... [{count} characters cut] ...\n"
+
+
 def clip_text(text: str, limit: int) -> str:
     """Keep the head and tail of text (limit chars in all) and say how much was cut between."""
     if len(text) <= limit:
         return text
     head = limit // 2
     tail = limit - head
-    return f"{text[:head]}\n... [{len(text) - limit} characters cut] ...\n{text[-tail:]}"
+    return f"{text[:head]}{cut_note(len(text) - limit)}{text[len(text) - tail :]}"
 
 
 class OutputCapture(io.TextIOBase):
@@ -80,7 +86,7 @@ class OutputCapture(io.TextIOBase):
             cut = self._total - len(head) - len(self._tail)
             if cut <= 0:
                 return head + self._tail
-            return f"{head}\n... [{cut} characters cut] ...\n{self._tail}"
+            return f"{head}{cut_note(cut)}{self._tail}"
 
 
 class FinalAnswer(BaseException):

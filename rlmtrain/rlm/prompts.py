@@ -33,6 +33,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from rlmtrain.rlm.builtins import clip_text
 from rlmtrain.rlm.extract import CLOSE_FENCE, CODE_BLOCK_RULE, OPEN_FENCE
 from rlmtrain.rlm.records import Turn
 from rlmtrain.rlm.tools import load_tools
@@ -48,7 +49,6 @@ __all__ = [
     "history_messages",
     "plain_call_messages",
     "query_message",
-    "shorten",
     "system_prompt",
     "tool_docs",
     "turn_messages",
@@ -189,16 +189,6 @@ def fenced(code: str) -> str:
     return f"{OPEN_FENCE}\n{code}\n{CLOSE_FENCE}"
 
 
-def shorten(text: str, keep: int) -> str:
-    """`text` cut to about `keep` characters: head and tail, with a note of what was cut."""
-    if len(text) <= keep:
-        return text
-    head = keep // 2
-    tail = keep - head
-    cut = len(text) - head - tail
-    return f"{text[:head]}\n[... {cut} characters cut ...]\n{text[len(text) - tail :]}"
-
-
 def _report(output: str, error: str) -> str:
     text = "REPL output:\n" + (output if output else "(nothing printed)")
     if error:
@@ -220,7 +210,7 @@ def history_messages(turns: Sequence[Turn], budget_chars: int) -> list[Message]:
         return sum(map(len, codes)) + sum(map(len, reports))
 
     stages: list[tuple[list[str], Callable[[int, str], str]]] = [
-        (reports, lambda i, text: shorten(text, SHORT_OUTPUT_CHARS)),
+        (reports, lambda i, text: clip_text(text, SHORT_OUTPUT_CHARS)),
         (reports, lambda i, text: f"[REPL output of turn {i + 1} omitted]"),
         (codes, lambda i, text: f"[code of turn {i + 1} omitted]"),
     ]
@@ -312,7 +302,7 @@ def plain_call_messages(prompt: str, context: Any | None, *, context_chars: int)
     """A single-turn prompt: the question and, when one was passed, the context cut to size."""
     content = prompt
     if context is not None:
-        content += "\n\nContext:\n" + shorten(_context_text(context), context_chars)
+        content += "\n\nContext:\n" + clip_text(_context_text(context), context_chars)
     return [
         {"role": "system", "content": PLAIN_CALL_SYSTEM},
         {"role": "user", "content": content},
