@@ -19,6 +19,7 @@ import asyncio
 import statistics
 import time
 
+import numpy as np
 import pytest
 
 from rlmtrain.rlm.repl import ReplLimits, Zygote
@@ -28,11 +29,6 @@ IDLE_WORKERS = 200
 START_ROUNDS = 200
 EXEC_ROUNDS = 2000
 BUDGET_BYTES = 8 << 30
-
-
-def percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def smaps_rollup_kib(pid: int) -> dict[str, int]:
@@ -78,8 +74,8 @@ def test_session_start(benchmark, loop_and_zygote):
     close_previous()
     figures = {
         "context_mb": CONTEXT_BYTES >> 20,
-        "start_p50_ms": percentile(samples, 0.5) * 1e3,
-        "start_p99_ms": percentile(samples, 0.99) * 1e3,
+        "start_p50_ms": np.percentile(samples, 50) * 1e3,
+        "start_p99_ms": np.percentile(samples, 99) * 1e3,
         "starts_per_s": 1 / statistics.mean(samples),
     }
     benchmark.extra_info.update(figures)
@@ -104,8 +100,8 @@ def test_exec_round_trip(benchmark, loop_and_zygote):
     benchmark.pedantic(round_trip, rounds=EXEC_ROUNDS, iterations=1, warmup_rounds=20)
     loop.run_until_complete(session.close())
     figures = {
-        "round_trip_p50_us": percentile(samples, 0.5) * 1e6,
-        "round_trip_p99_us": percentile(samples, 0.99) * 1e6,
+        "round_trip_p50_us": np.percentile(samples, 50) * 1e6,
+        "round_trip_p99_us": np.percentile(samples, 99) * 1e6,
         "execs_per_s": 1 / statistics.mean(samples),
     }
     benchmark.extra_info.update(figures)

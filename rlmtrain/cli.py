@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from rlmtrain.config import ConfigError, load_config, to_toml
+from rlmtrain.config import ConfigError, load_config, parse_args_and_overrides, to_toml
 
 
 def _config_show(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -84,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if delegated is not None:
         return delegated
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    overrides = [a for a in rest if a.startswith("--") and "." in a.split("=", 1)[0]]
-    unknown = [a for a in rest if a not in overrides]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args, overrides = parse_args_and_overrides(parser, argv)
     try:
         return args.run(args, overrides)
     except ConfigError as exc:

@@ -12,6 +12,7 @@ it and exits with code 2.
 
 from __future__ import annotations
 
+import argparse
 import tomllib
 import typing
 from pathlib import Path
@@ -472,6 +473,19 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{source}: not valid TOML: {exc}") from None
     apply_overrides(raw, overrides, source)
     return _validate(raw, source)
+
+
+def parse_args_and_overrides(
+    parser: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[argparse.Namespace, list[str]]:
+    """`parser`'s arguments, and the `--section.key=value` config overrides beside them; any
+    other unknown argument is the parser's error (exit 2)."""
+    args, rest = parser.parse_known_args(argv)
+    overrides = [a for a in rest if a.startswith("--") and "." in a.split("=", 1)[0]]
+    unknown = [a for a in rest if a not in overrides]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args, overrides
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "overrides") -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from rlmtrain.config import Config, ConfigError, load_config
+from rlmtrain.config import Config, ConfigError, load_config, parse_args_and_overrides
 from rlmtrain.devices import BackendUnavailable
 
 __all__ = ["cli", "heldout_path", "load_checkpoint"]
@@ -153,11 +153,7 @@ def cli(argv: list[str]) -> int:
         "--tasks", type=int, default=None, help="first N tasks; 0 = all (eval.tasks)"
     )
     parser.add_argument("--out", help="also write the JSON report to this file")
-    args, rest = parser.parse_known_args(argv)
-    overrides = [a for a in rest if a.startswith("--") and "." in a.split("=", 1)[0]]
-    unknown = [a for a in rest if a not in overrides]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args, overrides = parse_args_and_overrides(parser, argv)
     if args.samples is not None:
         overrides.append(f"--eval.samples={args.samples}")
     if args.tasks is not None:

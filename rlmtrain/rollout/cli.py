@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlmtrain.config import Config, ConfigError, load_config
+from rlmtrain.config import Config, ConfigError, load_config, parse_args_and_overrides
 from rlmtrain.devices import BackendUnavailable
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, write_groups
+from rlmtrain.rollout.metrics import occupancy_between
 
 __all__ = ["RolloutProgress", "cli", "load_tasks"]
 
@@ -62,15 +63,17 @@ class RolloutProgress:
         from tqdm import tqdm
 
         self.engine = engine
+        self.start = engine.stats()
         self.began = time.perf_counter()
         self.bar = tqdm(total=total, desc="rollout", unit="tree", file=sys.stderr)
 
     def tree_done(self, root: Trajectory) -> None:
         stats = self.engine.stats()
         elapsed = time.perf_counter() - self.began
-        occupancy = stats.batch_slots_used / max(stats.steps * stats.max_batch_size, 1)
+        occupancy, _ = occupancy_between(self.start, stats)
         self.bar.set_postfix(
-            tok_s=f"{stats.generated_tokens / elapsed:.0f}", occupancy=f"{occupancy:.0%}"
+            tok_s=f"{(stats.generated_tokens - self.start.generated_tokens) / elapsed:.0f}",
+            occupancy=f"{occupancy:.0%}",
         )
         self.bar.update()
 
@@ -116,11 +119,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--config", help="TOML run file (default: built-in defaults)")
     parser.add_argument("--out", required=True, help="output JSONL of RolloutGroups")
     parser.add_argument("--limit", type=int, default=None, help="only the first N tasks")
-    args, rest = parser.parse_known_args(argv)
-    overrides = [a for a in rest if a.startswith("--") and "." in a.split("=", 1)[0]]
-    unknown = [a for a in rest if a not in overrides]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args, overrides = parse_args_and_overrides(parser, argv)
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be >= 1, got {args.limit}")
     try:

@@ -9,16 +9,16 @@ runs from a root's admission to the end of its last trajectory.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
 
 from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rollout.engine import EngineStats
 
-__all__ = ["OccupancySample", "RolloutMetrics", "occupancy_between", "percentile", "summarise"]
+__all__ = ["OccupancySample", "RolloutMetrics", "occupancy_between", "summarize"]
 
 
 class OccupancySample(msgspec.Struct, kw_only=True, array_like=True):
@@ -65,14 +65,9 @@ class RolloutMetrics(msgspec.Struct, kw_only=True):
         )
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation; 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+def _percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linearly interpolated; 0.0 for no values."""
+    return float(np.percentile(values, q)) if len(values) else 0.0
 
 
 def occupancy_between(before: EngineStats, after: EngineStats) -> tuple[float, float]:
@@ -83,7 +78,7 @@ def occupancy_between(before: EngineStats, after: EngineStats) -> tuple[float, f
     return occupancy, after.busy_s - before.busy_s
 
 
-def summarise(
+def summarize(
     groups: Sequence[RolloutGroup],
     *,
     wall_s: float,
@@ -106,8 +101,8 @@ def summarise(
         tokens_per_s=generated / wall_s if wall_s > 0 else 0.0,
         engine_occupancy=occupancy,
         engine_busy=busy_s / wall_s if wall_s > 0 else 0.0,
-        tree_latency_p50_s=percentile(tree_latencies_s, 50),
-        tree_latency_p90_s=percentile(tree_latencies_s, 90),
+        tree_latency_p50_s=_percentile(tree_latencies_s, 50),
+        tree_latency_p90_s=_percentile(tree_latencies_s, 90),
         tree_latency_max_s=max(tree_latencies_s, default=0.0),
         children_per_root_mean=sum(children) / len(children) if children else 0.0,
         children_per_root_max=max(children, default=0),

@@ -61,7 +61,7 @@ from rlmtrain.rollout.metrics import (
     OccupancySample,
     RolloutMetrics,
     occupancy_between,
-    summarise,
+    summarize,
 )
 
 __all__ = ["ReplHost", "ReplSession", "Scheduler", "StartZygote"]
@@ -209,7 +209,7 @@ class Scheduler:
             await asyncio.gather(*(self._close_zygote(r) for r in runs))
         groups = [run.group for run in runs]
         end_stats = self.engine.stats()
-        self.metrics = summarise(
+        self.metrics = summarize(
             groups,
             wall_s=time.perf_counter() - began,
             tree_latencies_s=latencies,
