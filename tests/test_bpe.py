@@ -6,7 +6,8 @@ import shutil
 import pytest
 
 from rlmtrain.model.bpe import tokenizer_files, train_bpe
-from rlmtrain.model.tokenizer import ByteTokenizer, HFTokenizer
+from rlmtrain.model.hf_tokenizer import HFTokenizer
+from rlmtrain.model.tokenizer import ByteTokenizer
 
 TEXTS = [
     "We evaluate OrbitFormer on 3 public benchmarks: Cora, CiteSeer and PubMed.",

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from rlmtrain.model.hf_tokenizer import HFTokenizer
 from rlmtrain.model.tokenizer import (
     BYTE_SPECIAL_TOKENS,
     ByteTokenizer,
-    HFTokenizer,
     TokenizerError,
     load_tokenizer,
 )

@@ -21,7 +21,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
-from rlmtrain.model.tokenizer import HFTokenizer
+from rlmtrain.model.hf_tokenizer import HFTokenizer
 
 __all__ = [
     "BPE_FILES",
