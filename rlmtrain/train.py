@@ -1,5 +1,8 @@
 """The single training script: data, SFT warm-up on teacher trees, then GRPO over rollout trees.
 
+Why one file: it is the loop a user reads top to bottom to know what a run does; every piece it
+calls lives in its own module.
+
     rlmtrain train --config configs/tiny-cpu.toml [--section.key=value ...]
     python -m rlmtrain.train --config ...                      (the same, one process)
     torchrun --nproc_per_node 8 -m rlmtrain.train --config ... (one rank per device)

@@ -76,3 +76,15 @@ def test_every_cited_markdown_file_is_in_the_repository():
     assert "docs/algorithm.md" in cited and "docs/architecture.md" in cited
     missing = {path: sorted(where) for path, where in cited.items() if not (ROOT / path).is_file()}
     assert not missing, f"cited but not in the repository: {missing}"
+
+
+def test_a_module_over_600_lines_says_why_at_its_top():
+    listed = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    unexplained = []
+    for name in listed:
+        lines = (ROOT / name).read_text().splitlines()
+        if len(lines) > 600 and not any("Why one file:" in line for line in lines[:40]):
+            unexplained.append(f"{name} ({len(lines)} lines)")
+    assert not unexplained, f"split these, or say why they are one file: {unexplained}"

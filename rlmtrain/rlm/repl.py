@@ -1,5 +1,8 @@
 """The REPL, trainer side: a zygote per task context and one jailed worker per session.
 
+Why one file: the zygote and the sessions it forks are one protocol (spawn, exec, reap, close)
+whose states are read together; the worker side is `rlm/worker.py`.
+
     zygote = await Zygote.start(context=text, tool_modules=["my_env.tools"], limits=ReplLimits())
     session = await zygote.session()
     result = await session.exec("print(len(context))", on_query=handler)
