@@ -34,7 +34,7 @@ import os
 
 import pytest
 import torch
-from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss, tiles
+from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss, tiles
 
 V = 151936
 H200_BF16_PEAK_FLOPS = 790e12  # dense bf16 8192^3 matmul as measured on an H200

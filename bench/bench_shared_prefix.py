@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from rlmtrain.kernels import fused_linear_grpo_loss
 
 from rlmtrain.algo import Sample, pack
 from rlmtrain.config import ModelConfig
+from rlmtrain.kernels import fused_linear_grpo_loss
 from rlmtrain.model import build_model
 
 SHAPES = {

@@ -16,11 +16,11 @@ import json
 
 import msgspec
 import torch
-from rlmtrain.kernels import fused_linear_logprob
 
 from rlmtrain import parallel, train
 from rlmtrain.algo import build_samples, compute_advantages, pack
 from rlmtrain.config import Config, ModelConfig
+from rlmtrain.kernels import fused_linear_logprob
 from rlmtrain.model import build_model
 from rlmtrain.optim import build_optimizer
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn

@@ -3,7 +3,7 @@ training loop against full-logits autograd, and under torch.compile."""
 
 import pytest
 import torch
-from rlmtrain.kernels import (
+from rlmtrain_kernels import (
     fused_linear_grpo_loss,
     fused_linear_logprob,
     fused_linear_nll,

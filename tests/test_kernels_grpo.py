@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from rlmtrain.kernels import grpo_loss
+from rlmtrain_kernels import grpo_loss
 
 IMPLS = ["torch", "triton"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -9,14 +9,14 @@ import textwrap
 
 import pytest
 import torch
-from rlmtrain.kernels import (
+from rlmtrain_kernels import (
     KernelBackendUnavailable,
     fused_linear_logprob,
     logprob_slabs,
     reference,
     tiles,
 )
-from rlmtrain.kernels._backend import resolve_impl
+from rlmtrain_kernels._backend import resolve_impl
 
 IGNORE = -100
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -283,8 +283,8 @@ def test_imports_and_runs_without_triton():
         import sys
         sys.modules["triton"] = None  # makes `import triton` raise ImportError
         import torch
-        from rlmtrain.kernels import KernelBackendUnavailable, fused_linear_grpo_loss
-        from rlmtrain.kernels import fused_linear_logprob
+        from rlmtrain_kernels import KernelBackendUnavailable, fused_linear_grpo_loss
+        from rlmtrain_kernels import fused_linear_logprob
         x, w, t = torch.randn(5, 8), torch.randn(50, 8), torch.randint(0, 50, (5,))
         assert fused_linear_logprob(x, w, t).shape == (5,)
         z = torch.zeros(5)

@@ -8,7 +8,7 @@ truncated IS and the dual clip all on, on both backends, with and without ignore
 
 import pytest
 import torch
-from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss
+from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss
 
 IMPLS = ["torch", "triton"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

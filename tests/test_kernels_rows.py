@@ -4,8 +4,8 @@ trained row's target outside the head's vocabulary is an error naming the row.""
 
 import pytest
 import torch
-from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
-from rlmtrain.kernels.rows import TrainedRows
+from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
+from rlmtrain_kernels.rows import TrainedRows
 
 IGNORE = -100
 IMPLS = ["torch", "triton"]

@@ -123,11 +123,11 @@ def test_grpo_step_moves_the_policy_with_kl_and_tis():
     starts at 0, the engine log-probs equal pi_old, and the better root's tokens gain log-prob."""
     import msgspec
     import torch
-    from rlmtrain.kernels import fused_linear_logprob
 
     from rlmtrain import train
     from rlmtrain.algo import build_samples, compute_advantages, pack
     from rlmtrain.config import Config, ModelConfig
+    from rlmtrain.kernels import fused_linear_logprob
     from rlmtrain.model import build_model
     from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
 
@@ -180,9 +180,9 @@ def _hand_made_batches(model, cfg, n_roots: int = 4):
     """A group of `n_roots` one-turn roots with engine log-probs of `model`, packed in
     micro-batches of one sample each."""
     import torch
-    from rlmtrain.kernels import fused_linear_logprob
 
     from rlmtrain.algo import build_samples, compute_advantages, pack
+    from rlmtrain.kernels import fused_linear_logprob
     from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
 
     prompt = list(b"<|im_start|>user\nsay hi<|im_end|>\n")

@@ -4,6 +4,7 @@ checked against (`test_engine_native`, `test_engine_vllm`)."""
 from __future__ import annotations
 
 import torch
+
 from rlmtrain.kernels import fused_linear_logprob
 
 

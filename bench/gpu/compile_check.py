@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 import triton
-from rlmtrain.kernels import logprob, logprob_slabs, tiles
-from rlmtrain.kernels.grpo_loss import BLOCK as GRPO_BLOCK
-from rlmtrain.kernels.grpo_loss import NUM_METRIC_SUMS, _grpo_loss_kernel
+from rlmtrain_kernels import logprob, logprob_slabs, tiles
+from rlmtrain_kernels.grpo_loss import BLOCK as GRPO_BLOCK
+from rlmtrain_kernels.grpo_loss import NUM_METRIC_SUMS, _grpo_loss_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 

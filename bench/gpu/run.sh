@@ -23,11 +23,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# The package installs top-level kernels/ as rlmtrain.kernels; without an install (the image has
-# no package index), a link gives the checkout the same layout.
-python3 -c "import rlmtrain.kernels" 2>/dev/null || ln -sfn ../kernels rlmtrain/kernels
-python3 -c "import torch, triton; from rlmtrain.kernels import logprob_slabs as s
+# Without an install (the image has no package index) the checkout runs from the source tree:
+# the trainer from the root, the kernels package from kernels/.
+export PYTHONPATH=$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import torch, triton; from rlmtrain_kernels import logprob_slabs as s
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(),
 '| addmm accumulates in fp32:', s._addmm_accumulates_in_fp32(torch.device('cuda')))" || exit 1
 

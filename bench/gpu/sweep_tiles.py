@@ -18,7 +18,7 @@ import argparse
 import json
 
 import torch
-from rlmtrain.kernels import logprob, reference, tiles
+from rlmtrain_kernels import logprob, reference, tiles
 from triton.testing import do_bench
 
 V = 151936

@@ -1,9 +1,11 @@
 """Fused log-prob and GRPO-loss kernels for linear LM heads (Triton, with a chunked torch backend).
 
-Embeddable on its own: imports only torch and triton. None of these ops allocates an [N, V]
-logits tensor. Shapes: hidden [N, H] (packed tokens, no batch dim), weight [V, H] (the LM head,
-same dtype as hidden: bf16, fp16 or fp32), targets [N] int token ids; every per-token tensor is
-[N]; log-probs, entropies, losses and metrics come back in fp32.
+Embeddable on its own: the distribution `rlmtrain-kernels` (this folder's `pyproject.toml`)
+installs it without the trainer, and it imports only torch and triton; the trainer reaches it as
+`rlmtrain.kernels`. None of these ops allocates an [N, V] logits tensor. Shapes: hidden [N, H]
+(packed tokens, no batch dim), weight [V, H] (the LM head, same dtype as hidden: bf16, fp16 or
+fp32), targets [N] int token ids; every per-token tensor is [N]; log-probs, entropies, losses and
+metrics come back in fp32.
 
     fused_linear_logprob(hidden, weight, targets, *, temperature=1.0, return_entropy=False,
                          ignore_index=-100, impl="auto") -> logp [N] (, entropy [N])
@@ -26,29 +28,17 @@ live in `tiles`; its optional "slabs" variant (`logprob_slabs`) holds a slab of 
 bounded by `SLAB_BYTES`.
 """
 
-if __name__ != "rlmtrain.kernels":
-    # Installed as `rlmtrain.kernels`, this directory is also importable as a top-level `kernels`
-    # wherever the repository root is on sys.path (`python -m ...` from it) -- and `kernels` is
-    # the import name of Hugging Face's kernel hub, which `transformers` probes by importing it. A
-    # second copy would re-run the `torch.library.custom_op` registrations; torch replaces an op by
-    # destroying its first registration, so `rlmtrain.kernels` would go on dispatching through
-    # freed dispatcher entries (vector::reserve, bad_alloc or a segfault). Alias the one copy.
-    import importlib
-    import sys
+from ._backend import KernelBackendUnavailable
+from .fused_grpo import fused_linear_grpo_loss
+from .fused_nll import fused_linear_nll
+from .grpo_loss import GRPOMetrics, grpo_loss
+from .logprob import fused_linear_logprob
 
-    sys.modules[__name__] = importlib.import_module("rlmtrain.kernels")
-else:
-    from ._backend import KernelBackendUnavailable
-    from .fused_grpo import fused_linear_grpo_loss
-    from .fused_nll import fused_linear_nll
-    from .grpo_loss import GRPOMetrics, grpo_loss
-    from .logprob import fused_linear_logprob
-
-    __all__ = [
-        "GRPOMetrics",
-        "KernelBackendUnavailable",
-        "fused_linear_grpo_loss",
-        "fused_linear_logprob",
-        "fused_linear_nll",
-        "grpo_loss",
-    ]
+__all__ = [
+    "GRPOMetrics",
+    "KernelBackendUnavailable",
+    "fused_linear_grpo_loss",
+    "fused_linear_logprob",
+    "fused_linear_nll",
+    "grpo_loss",
+]

@@ -27,7 +27,7 @@ __all__ = [
     "triton_interpreting",
 ]
 
-log = logging.getLogger("rlmtrain.kernels")
+log = logging.getLogger("rlmtrain_kernels")
 
 IMPLS = ("auto", "triton", "torch")
 
