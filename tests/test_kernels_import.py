@@ -12,6 +12,7 @@ example there.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -63,8 +64,11 @@ def test_the_kernels_install_alone_and_run_the_readme_example(tmp_path):
     # trainer's editable install among them) are not processed there, so the trainer stays out.
     site = next(Path(p) for p in env_dir.glob("lib/python*/site-packages"))
     (site / "torch-from-host.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # Built from a copy: pip builds in the source folder, and a test writes nothing into the tree.
+    source = tmp_path / "kernels"
+    shutil.copytree(ROOT / "kernels", source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     install = subprocess.run(
-        [python, "-m", "pip", "install", "--no-deps", "--no-cache-dir", str(ROOT / "kernels")],
+        [python, "-m", "pip", "install", "--no-deps", "--no-cache-dir", str(source)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-3000:]
