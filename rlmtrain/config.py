@@ -30,10 +30,12 @@ __all__ = [
     "JudgeConfig",
     "LoggingConfig",
     "ModelConfig",
+    "ROLLOUT_DEFAULTS",
     "RolloutConfig",
     "TrainConfig",
     "apply_overrides",
     "load_config",
+    "parse_args_and_overrides",
     "to_toml",
 ]
 
@@ -370,6 +372,10 @@ SECTIONS: dict[str, type[_Section]] = {
     name: info.type
     for name, info in zip(Config.__struct_fields__, msgspec.structs.fields(Config), strict=True)
 }
+
+ROLLOUT_DEFAULTS = RolloutConfig()
+"""The rollout section at its defaults: where the agent's, the REPL's and the sampler's own
+defaults are read from, so each limit is declared once (here) and read, never repeated."""
 
 
 def _validate(raw: dict[str, Any], source: str) -> Config:

@@ -38,7 +38,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from rlmtrain.config import RolloutConfig
+from rlmtrain.config import ROLLOUT_DEFAULTS, RolloutConfig
 from rlmtrain.rlm.code_calls import calls_in_code, tool_names
 from rlmtrain.rlm.extract import STOP_STRINGS, extract_code
 from rlmtrain.rlm.generation import Completion, GenerateFn, SamplingParams
@@ -82,11 +82,6 @@ class ChatTokenizer(Protocol):
     ) -> list[int]: ...
 
 
-# The rollout section of the config is where every limit and its default is declared; the agent
-# takes its defaults from there, so the two cannot drift.
-_ROLLOUT_DEFAULTS = RolloutConfig()
-
-
 def _history_budget_chars(max_prompt_tokens: int) -> int:
     # About 4 characters a BPE token; a byte tokenizer overshoots and is shrunk per turn.
     return 4 * max_prompt_tokens
@@ -96,21 +91,21 @@ class AgentLimits(msgspec.Struct, kw_only=True, frozen=True):
     """The per-trajectory limits of docs/algorithm.md §1 (the REPL's own are `ReplLimits`),
     defaulting to the config's (`RolloutConfig`), where each is documented."""
 
-    max_turns: int = _ROLLOUT_DEFAULTS.max_turns
-    max_depth: int = _ROLLOUT_DEFAULTS.max_depth
+    max_turns: int = ROLLOUT_DEFAULTS.max_turns
+    max_depth: int = ROLLOUT_DEFAULTS.max_depth
     """Deepest trajectory with a REPL; the root is depth 0."""
-    depth_limit_mode: Literal["lm", "error"] = _ROLLOUT_DEFAULTS.depth_limit_mode
+    depth_limit_mode: Literal["lm", "error"] = ROLLOUT_DEFAULTS.depth_limit_mode
     """rlm_query at max_depth: a plain LM call (a leaf at depth + 1) or an error string."""
-    max_children_per_call: int = _ROLLOUT_DEFAULTS.max_children_per_call
-    max_children_per_trajectory: int = _ROLLOUT_DEFAULTS.max_children_per_trajectory
-    max_new_tokens: int = _ROLLOUT_DEFAULTS.max_new_tokens
-    max_prompt_tokens: int = _ROLLOUT_DEFAULTS.max_prompt_tokens
-    output_limit_chars: int = _ROLLOUT_DEFAULTS.output_limit_chars
+    max_children_per_call: int = ROLLOUT_DEFAULTS.max_children_per_call
+    max_children_per_trajectory: int = ROLLOUT_DEFAULTS.max_children_per_trajectory
+    max_new_tokens: int = ROLLOUT_DEFAULTS.max_new_tokens
+    max_prompt_tokens: int = ROLLOUT_DEFAULTS.max_prompt_tokens
+    output_limit_chars: int = ROLLOUT_DEFAULTS.output_limit_chars
     """What the REPL keeps of one exec's output; quoted to the model in the builtin docs."""
-    history_budget_chars: int = _history_budget_chars(_ROLLOUT_DEFAULTS.max_prompt_tokens)
+    history_budget_chars: int = _history_budget_chars(ROLLOUT_DEFAULTS.max_prompt_tokens)
     """Characters of history before older turns are shortened; shrunk further per trajectory when
     the templated prompt is still over max_prompt_tokens."""
-    plain_call_context_chars: int = _ROLLOUT_DEFAULTS.output_limit_chars
+    plain_call_context_chars: int = ROLLOUT_DEFAULTS.output_limit_chars
     """How much of an explicitly passed context a plain LM call sees."""
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from typing import Literal
 
 import msgspec
 
-from rlmtrain.config import RolloutConfig
+from rlmtrain.config import ROLLOUT_DEFAULTS
 
 __all__ = ["Completion", "EngineFinishReason", "GenerateFn", "SamplingParams"]
 
@@ -33,7 +33,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True):
     """Nucleus mass; < 1 renormalises, which biases the trainer/sampler ratio."""
     top_k: int = 0
     """0 = no top-k cut."""
-    max_new_tokens: int = RolloutConfig().max_new_tokens
+    max_new_tokens: int = ROLLOUT_DEFAULTS.max_new_tokens
     """Defaults to the config's `rollout.max_new_tokens`, where the limit is declared."""
     stop_token_ids: list[int] = []
     """Generation ends after any of these ids (end of turn / end of text)."""

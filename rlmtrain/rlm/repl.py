@@ -63,7 +63,7 @@ from typing import Any
 
 import msgspec
 
-from rlmtrain.config import RolloutConfig
+from rlmtrain.config import ROLLOUT_DEFAULTS, RolloutConfig
 from rlmtrain.rlm.builtins import clip_text
 from rlmtrain.rlm.control import ControlChannel
 from rlmtrain.rlm.memcg import PoolCgroup, WorkerCgroup
@@ -114,22 +114,20 @@ _EOF_GRACE_S = 1.0
 """How long a worker whose socket closed may take to exit on its own before it is killed."""
 
 
-# The limits a run configures (`rollout.repl_timeout_s`, `repl_memory_mb`, `output_limit_chars`)
-# take their defaults from the config, where they are declared; the rest are the REPL's own.
-_ROLLOUT_DEFAULTS = RolloutConfig()
-
-
 class ReplLimits(msgspec.Struct, kw_only=True):
-    exec_timeout_s: float = _ROLLOUT_DEFAULTS.repl_timeout_s
+    """A worker's limits. Those a run configures (`rollout.repl_timeout_s`, `repl_memory_mb`,
+    `output_limit_chars`) default to the config's; the rest are the REPL's own."""
+
+    exec_timeout_s: float = ROLLOUT_DEFAULTS.repl_timeout_s
     """Wall clock per exec; time waiting for child rlm_query calls is excluded."""
-    memory_mb: int = _ROLLOUT_DEFAULTS.repl_memory_mb
+    memory_mb: int = ROLLOUT_DEFAULTS.repl_memory_mb
     """RLIMIT_AS of a worker, and the limit of its memory cgroup (`memory_cgroup`)."""
     memory_cgroup: bool = True
     """Give each worker a memory cgroup of `memory_mb` (page cache, shared memory and kernel
     buffers included, no swap) where the kernel lets the trainer make one (`rlm/memcg.py`)."""
     cpu_s: int = 600
     """RLIMIT_CPU of a worker (its whole life)."""
-    output_limit_chars: int = _ROLLOUT_DEFAULTS.output_limit_chars
+    output_limit_chars: int = ROLLOUT_DEFAULTS.output_limit_chars
     """Printed output kept per exec (head + tail, with a note of what was cut)."""
     max_file_bytes: int = 64 << 20
     """RLIMIT_FSIZE."""
