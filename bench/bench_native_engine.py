@@ -13,7 +13,10 @@ tokens requested and computed, the speed-up, and whether both runs sampled the s
 the cache cannot save bounds the speed-up: the suffixes of turns 2 and 3 (~700 tokens each: the
 last user message is rewritten every turn) attend over ~6k cached tokens, and so does every
 decode step, though there each group of sequences behind the same pages reads them once
-(cascade decode, `kv_cache.py`). Measured on 2 cores: 60.9 against 10.9 tokens/s, 5.6x.
+(cascade attention, `model/paged_attention.py`). Measured on 2 cores: 61.3 against 9.4 tokens/s,
+6.5x; batching 1,152 against 113 tokens/s. The batch-invariant attention costs ~20% of the RL
+step's throughput: the same machine and run gave 78.0 tokens/s with the earlier attention, whose
+results varied with the batch in their last bits.
 
 On a shared 2-core machine the absolute numbers move with the neighbours' load; the ratios are
 the point.

@@ -10,8 +10,9 @@ always give the same report.
 Reproducibility: the scheduler's sampling seed is `eval.seed`, and the agent derives each
 request's seed from it, the trajectory id and the turn (`Agent.params`); the native engine draws
 each request with its own generator. Same weights + seed + tasks give the same trees, hence the
-same report except the wall-clock keys in `TIMING_KEYS` (up to the native engine's last-bit
-differences between a prefix-cached and a fresh prefill, which can flip a near-tie draw).
+same report except the wall-clock keys in `TIMING_KEYS` (on the CPU exactly: the native engine
+gives a request the same bits in any batch and from its prefix cache; on a GPU its kernels'
+shape-dependent last bits can flip a near-tie draw).
 `sample_digest` (a CRC of every sampled token id) makes that checkable at a glance: two reports
 sampled the same tokens when their digests agree.
 

@@ -25,8 +25,9 @@ costs the free pages its admission takes (new pages, plus cached pages nobody ho
 revives) plus the pages its worst case may still grow into, against the cache's free pages less
 what the running sequences may still grow into; so running sequences never hit `CacheFull`, and
 an evicted sequence's shared pages stay with the sequences reading them. `max_prefill_tokens`
-limits the tokens actually computed. Greedy and seeded outputs equal those without the cache, up
-to last-bit differences between attending over a cached prefix and over a fresh prompt. A weight
+limits the tokens actually computed. On the CPU the sampled tokens and their log-probs are the
+same bits with the cache or without it, alone or in any batch (`model.paged_attention`); on a
+GPU they agree up to the last bits the kernels' shape-dependent choices leave. A weight
 update resets the prefix cache: keys and values cached under the old weights are not shared with
 requests admitted after it.
 """
@@ -40,10 +41,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from rlmtrain.model.hf import load_hf_tensors
 from rlmtrain.model.kv_cache import KVCache
+from rlmtrain.model.paged_attention import linear_min_rows
 from rlmtrain.model.transformer import Transformer
 from rlmtrain.rollout.batching import BatchingEngine, Request
 from rlmtrain.rollout.engine import SamplingParams
@@ -154,7 +157,10 @@ class NativeEngine(BatchingEngine):
             tokens = torch.tensor([r.token_ids[-1] for r in running], dtype=torch.long)
             hidden.append(self.model.decode(self.cache, [r.seq_id for r in running], tokens))
         requests = [*admitted, *running]
-        logits = torch.cat(hidden).float() @ self.model.lm_head_weight.float().T  # [B, V] fp32
+        # Padded like the linear layers, so each row's logits are the bits of any larger batch.
+        rows = torch.cat(hidden).float()
+        rows = F.pad(rows, (0, 0, 0, max(0, linear_min_rows(rows.device) - len(requests))))
+        logits = (rows @ self.model.lm_head_weight.float().T)[: len(requests)]  # [B, V] fp32
         temperatures = torch.tensor([r.params.temperature for r in requests], device=self.device)
         logprobs = torch.log_softmax(logits / temperatures[:, None], dim=-1)
         for row, request in enumerate(requests):
