@@ -1,22 +1,19 @@
 """Killed and resumed, a run goes on exactly as if it had never stopped.
 
-At one rank and at two, on the shortened default (SFT then RL):
+At one rank and at two, on the default shortened to two tasks that SFT learns by heart, so that
+its RL steps score unevenly and make real GRPO updates, with truncated importance sampling on:
 
 - an uninterrupted run A checkpoints every step;
 - run B, with every REPL exec delayed at random (`tests/perturbed_train.py`: requests reach the
-  engine in another order and company), is SIGKILLed as a whole job during SFT step 3 and
-  resumed with `checkpoint.resume=true`;
+  engine in another order and company), is SIGKILLed as a whole job during SFT, resumed with
+  `checkpoint.resume=true`, SIGKILLed again during RL step 3 and resumed again;
 - at the end of SFT and at the end of RL the two agree bitwise: parameters, optimizer state,
-  LR, step and the per-step curve. Every SFT step here is one whole pass over the teacher's
-  samples (`train.sft_step_tokens` above their total), so the resume lands on a data-pass
-  boundary, where it must go on training.
+  LR, step and the per-step curve. Each RL step plays both tasks, one whole pass, so the second
+  resume lands on a data-pass boundary, where it must go on training.
 
-The RL steps of so short a run score nothing (uniform groups, no update), so they check the
-rollouts' determinism and the data cursor, not GRPO updates; those are covered by the SFT
-steps' updates and `tests/test_distributed.py`. The runs turn truncated importance sampling off
-(`algo.tis_cap=0`): the native engine's log-probs differ in their last bits with the company a
-request is batched in, and TIS would carry that into the loss. Sampled tokens do not depend on
-it (each request's seed is its place in the tree), and with TIS off nothing else does.
+This holds with TIS on because the native engine's sampled-token log-probs, which TIS reads,
+are the same bits in any batch company (`model.paged_attention`), and each request's seed is its
+place in the tree.
 
 A checkpoint cut short or missing its completion mark is refused with one line.
 """
@@ -56,13 +53,25 @@ def _launch(ranks: int, perturbed: bool) -> list[str]:
     ]  # fmt: skip
 
 
-def _args(run_dir: Path, *extra: str) -> list[str]:
+SFT_STEPS, RL_STEPS = 130, 5
+
+
+@pytest.fixture(scope="module")
+def two_tasks(tmp_path_factory) -> Path:
+    """One synthetic paper group's tasks (two questions over two papers) and their corpus."""
+    from rlmtrain.envs.synth import synthesize
+
+    folder = tmp_path_factory.mktemp("tasks")
+    synthesize(folder, groups=1, seed=0, first_group=0, max_papers=2, progress=False)
+    return folder / "tasks.jsonl"
+
+
+def _args(run_dir: Path, tasks: Path, *extra: str) -> list[str]:
     return [
         "--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={run_dir}",
-        "--data.sft_groups=3", "--data.synth_groups=2", "--data.eval_groups=1",
-        "--train.sft_steps=6", "--train.sft_step_tokens=1000000", "--train.steps=3",
-        "--train.tasks_per_step=2", "--rollout.n_samples=4", "--rollout.max_new_tokens=48",
-        "--algo.tis_cap=0", "--eval.every=0", "--logging.progress=false",
+        f"--data.train_path={tasks}", f"--data.sft_path={tasks}",
+        f"--train.sft_steps={SFT_STEPS}", f"--train.steps={RL_STEPS}", "--train.tasks_per_step=2",
+        "--rollout.n_samples=4", "--eval.every=0", "--logging.progress=false",
         "--logging.tensorboard=false", "--checkpoint.every=1", "--checkpoint.keep=20", *extra,
     ]  # fmt: skip
 
@@ -111,22 +120,12 @@ def _assert_bitwise_equal(a: dict, b: dict) -> None:
             assert value == right[key], key
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_killed_run_resumes_bitwise(tmp_path, ranks):
-    uninterrupted, resumed = tmp_path / "a", tmp_path / "b"
-    a = subprocess.run(
-        [*_launch(ranks, False), *_args(uninterrupted)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env(),
-    )  # fmt: skip
-    assert a.returncode == 0, a.stderr[-3000:]
-    curve = [json.loads(line) for line in (uninterrupted / "metrics.jsonl").open()]
-
+def _kill_when(command: list[str], mark: Path, cwd: Path = ROOT) -> None:
+    """Run `command` until `mark` exists, then SIGKILL the whole job."""
     job = subprocess.Popen(
-        [*_launch(ranks, True), *_args(resumed)],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(),
+        command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(),
         start_new_session=True,
     )  # fmt: skip
-    mark = resumed / "checkpoints" / "sft-000003" / "COMPLETE"
     deadline = time.monotonic() + 600
     while not mark.exists():
         assert job.poll() is None, job.stderr.read().decode()[-3000:]
@@ -135,32 +134,56 @@ def test_a_killed_run_resumes_bitwise(tmp_path, ranks):
     _kill_job(job.pid)
     job.wait()
     job.stderr.close()
-    assert not (resumed / "checkpoints" / "sft-000005").exists()
 
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").open()]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, ranks):
+    uninterrupted, resumed = tmp_path / "a", tmp_path / "b"
+    a = subprocess.run(
+        [*_launch(ranks, False), *_args(uninterrupted, two_tasks)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env(),
+    )  # fmt: skip
+    assert a.returncode == 0, a.stderr[-3000:]
+    curve = _rows(uninterrupted)
+    rl = [row for row in curve if row["phase"] == "rl"]
+    # The premise: GRPO updates in most RL steps, read through TIS.
+    assert sum(row["groups_kept"] > 0 for row in rl) >= 3, rl
+    assert all(row["loss"] != 0 for row in rl if row["groups_kept"]), rl
+
+    checkpoints = resumed / "checkpoints"
+    perturbed = [*_launch(ranks, True), *_args(resumed, two_tasks)]
+    _kill_when(perturbed, checkpoints / "sft-000060" / "COMPLETE")
+    assert not (checkpoints / f"sft-{SFT_STEPS:06d}").exists()
+    _kill_when([*perturbed, "--checkpoint.resume=true"], checkpoints / "rl-000002" / "COMPLETE")
+    assert not (checkpoints / "rl-000003").exists()  # killed during step 3
     b = subprocess.run(
-        [*_launch(ranks, True), *_args(resumed, "--checkpoint.resume=true")],
+        [*perturbed, "--checkpoint.resume=true"],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env(),
     )  # fmt: skip
     assert b.returncode == 0, b.stderr[-3000:]
-    assert "resumed from" in b.stderr and "sft-000003" in b.stderr
+    assert "resumed from" in b.stderr and "rl-00000" in b.stderr
 
-    for name in ("sft-000005", "sft-000006", "rl-000003"):
-        left = uninterrupted / "checkpoints" / name
-        right = resumed / "checkpoints" / name
+    for name in (f"sft-{SFT_STEPS:06d}", f"rl-{RL_STEPS:06d}"):
+        left, right = uninterrupted / "checkpoints" / name, checkpoints / name
         assert json.loads((left / "trainer.json").read_text()) == json.loads(
             (right / "trainer.json").read_text()
         )
         _assert_bitwise_equal(_state(left, tmp_path), _state(right, tmp_path))
     # The resumed run's curve is the uninterrupted one: each step once, the same numbers.
-    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").open()]
-    keys = ("phase", "step", "loss", "lr", "reward_mean", "generated_tokens")
-    assert [[r.get(k) for k in keys] for r in rows] == [[r.get(k) for k in keys] for r in curve]
+    keys = ("phase", "step", "loss", "lr", "reward_mean", "generated_tokens", "groups_kept")
+    assert [[r.get(k) for k in keys] for r in _rows(resumed)] == [
+        [r.get(k) for k in keys] for r in curve
+    ]
 
 
-def _one_checkpoint(tmp_path: Path) -> Path:
+def _one_checkpoint(tmp_path: Path, tasks: Path) -> Path:
     """A run folder holding real checkpoints (a 1-step SFT run), one of which is damaged."""
     run = tmp_path / "run"
-    args = _args(run, "--train.sft_steps=1", "--train.steps=0")
+    args = _args(run, tasks, "--train.sft_steps=1", "--train.steps=0")
     result = subprocess.run(
         [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
         env=_env(),
@@ -170,8 +193,8 @@ def _one_checkpoint(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["truncated", "unmarked"])
-def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, damage):
-    run = _one_checkpoint(tmp_path)
+def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, two_tasks, damage):
+    run = _one_checkpoint(tmp_path, two_tasks)
     checkpoint = run / "checkpoints" / "sft-000001"
     if damage == "truncated":
         victim = max((p for p in (checkpoint / "state").iterdir()), key=lambda p: p.stat().st_size)
@@ -180,7 +203,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, damage):
         (checkpoint / "COMPLETE").unlink()
     before = {p.name for p in (run / "checkpoints").iterdir()}
     result = subprocess.run(
-        [*_launch(1, False), *_args(run, "--checkpoint.resume=true")],
+        [*_launch(1, False), *_args(run, two_tasks, "--checkpoint.resume=true")],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
     )  # fmt: skip
     assert result.returncode == 2
