@@ -6,7 +6,8 @@ A checkpoint is a folder `<checkpoint.dir>/checkpoints/<phase>-<step>` holding
   through `torch.distributed.checkpoint` (`get_state_dict` / `set_state_dict`), so a run of N
   ranks writes N shards and never gathers the whole model on one;
 - `trainer.json`: the phase, the steps of it taken, the LR in force, the run's seed and world
-  size (the data cursors and the exploration schedule are functions of the phase and step);
+  size, and the config values the LR, exploration-bonus and tool-credit schedules follow (the
+  data cursors and the schedules' positions are functions of the phase and step);
 - `rng-<rank>.pkl`: every rank's python, numpy and torch (and CUDA) generator states;
 - `COMPLETE`: written last, a manifest of every other file's size.
 
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from rlmtrain import parallel
 from rlmtrain.model.hf import CheckpointError
 
-__all__ = ["TrainerState", "check", "latest", "load", "load_frozen", "save"]
+__all__ = ["TrainerState", "check", "latest", "load", "load_frozen", "save", "trainer_state"]
 
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^(sft|rl)-(\d{6})$")
@@ -58,6 +59,9 @@ class TrainerState(msgspec.Struct, kw_only=True):
     lr: float
     seed: int
     world_size: int
+    schedules: dict[str, float | int | str] = msgspec.field(default_factory=dict)
+    """The config values the schedules follow, by dotted key (`train.SCHEDULE_KEYS`); empty in
+    a checkpoint written before they were recorded."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -156,14 +160,19 @@ def check(path: Path) -> None:
             )
 
 
+def trainer_state(path: Path) -> TrainerState:
+    """The trainer state of the checkpoint at `path`, after checking it is whole."""
+    check(path)
+    try:
+        return msgspec.json.decode((path / "trainer.json").read_bytes(), type=TrainerState)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CheckpointError(f"{path}/trainer.json: {exc}") from None
+
+
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
     """Restore model, optimizer and this rank's generators from `path` (all ranks together);
     the trainer state to continue from."""
-    check(path)
-    try:
-        state = msgspec.json.decode((path / "trainer.json").read_bytes(), type=TrainerState)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise CheckpointError(f"{path}/trainer.json: {exc}") from None
+    state = trainer_state(path)
     if state.world_size != dist.get_world_size():
         raise CheckpointError(
             f"{path}: written by {state.world_size} ranks, resumed on {dist.get_world_size()}; "

@@ -69,7 +69,7 @@ from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs.base import Env, Task, get_env
 from rlmtrain.evaluation import evaluate, spawned
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
-from rlmtrain.model import Transformer, build_model, save_hf
+from rlmtrain.model import CheckpointError, Transformer, build_model, save_hf
 from rlmtrain.model.bpe import BPE_FILES, tokenizer_files, train_bpe, trained_tokenizer_dir
 from rlmtrain.model.hf import hf_named
 from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
@@ -157,9 +157,12 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
         lr=0.0,
         seed=cfg.train.seed,
         world_size=world.size,
+        schedules=_schedules(cfg),
     )
     if resume_from is not None:
-        state = checkpointing.load(resume_from, model, optimizer)
+        loaded = checkpointing.load(resume_from, model, optimizer)
+        # Checked equal by `_resume_point`; recorded anew where an older checkpoint had none.
+        state = msgspec.structs.replace(loaded, schedules=state.schedules)
         log.info("resumed from %s: %s step %d", resume_from, state.phase, state.step)
     # The engine serves its own copy of the policy, kept in step through update_weights by HF
     # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
@@ -678,14 +681,56 @@ def _refuse_unwired(cfg: Config, world: parallel.World, device: torch.device) ->
         )
 
 
+SCHEDULE_KEYS = (
+    "train.sft_steps",
+    "train.steps",
+    "train.sft_lr",
+    "train.lr",
+    "train.lr_schedule",
+    "train.warmup_steps",
+    "train.min_lr_ratio",
+    "algo.exploration_beta",
+    "algo.tool_credit_alpha",
+)
+"""Config keys the LR schedule, the exploration bonus's cosine schedule and the tool credit's
+alpha are functions of. Every checkpoint records them; a resume under other values is refused,
+since it would not continue the run's schedules but switch to others midway."""
+
+
+def _schedules(cfg: Config) -> dict[str, float | int | str]:
+    values = {}
+    for key in SCHEDULE_KEYS:
+        section, name = key.split(".")
+        values[key] = getattr(getattr(cfg, section), name)
+    return values
+
+
+def _check_schedules(
+    checkpoint: Path, recorded: dict[str, float | int | str], wanted: dict[str, float | int | str]
+) -> None:
+    changed = [
+        f"{key}={recorded[key]!r} (the config says {wanted[key]!r})"
+        for key in SCHEDULE_KEYS
+        if key in recorded and recorded[key] != wanted[key]
+    ]
+    if changed:
+        raise CheckpointError(
+            f"{checkpoint}: its run's schedules follow {', '.join(changed)}; resume with the "
+            "checkpoint's values, or start a new run"
+        )
+
+
 def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
     """The checkpoint `checkpoint.resume` continues from; None for a fresh run (also when the
-    run has none yet). An incomplete or damaged newest one is a CheckpointError."""
+    run has none yet). An incomplete or damaged newest one, or one whose schedules the config
+    would change, is a CheckpointError."""
     if not cfg.checkpoint.resume:
         return None
     found = checkpointing.latest(run_dir)
     if found is None:
         log.info("checkpoint.resume: no checkpoint in %s yet, starting fresh", run_dir)
+    else:
+        _check_schedules(found, checkpointing.trainer_state(found).schedules, _schedules(cfg))
     return found
 
 

@@ -15,7 +15,8 @@ This holds with TIS on because the native engine's sampled-token log-probs, whic
 are the same bits in any batch company (`model.paged_attention`), and each request's seed is its
 place in the tree.
 
-A checkpoint cut short or missing its completion mark is refused with one line.
+A checkpoint cut short or missing its completion mark is refused with one line, and so is a
+resume under other values of the keys the LR, exploration and tool-credit schedules follow.
 """
 
 from __future__ import annotations
@@ -213,6 +214,26 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, two_tasks, damage
     assert ("damaged" if damage == "truncated" else "incomplete") in lines[0]
     assert {p.name for p in (run / "checkpoints").iterdir()} == before  # nothing removed
     shutil.rmtree(run)
+
+
+def test_a_resume_under_other_schedules_is_refused_in_one_line(tmp_path, two_tasks):
+    run = _one_checkpoint(tmp_path, two_tasks)
+    checkpoint = run / "checkpoints" / "sft-000001"
+    recorded = json.loads((checkpoint / "trainer.json").read_text())["schedules"]
+    assert recorded["algo.exploration_beta"] == 0.0 and recorded["algo.tool_credit_alpha"] == 0.0
+    assert recorded["train.steps"] == 0 and recorded["train.lr_schedule"] == "constant"
+    result = subprocess.run(
+        [
+            *_launch(1, False),
+            *_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0"),
+            "--checkpoint.resume=true", "--algo.exploration_beta=0.5",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert str(checkpoint) in lines[0] and "algo.exploration_beta=0.0" in lines[0], lines[0]
 
 
 class _Texts:
