@@ -229,6 +229,23 @@ class AlgoConfig(_Section):
     tool_credit_alpha: Annotated[float, _doc("alpha of turn-level tool credit; 0 = off", ge=0)] = (
         0.0
     )
+    step_rewards: Annotated[
+        Literal["off", "heuristic"],
+        _doc(
+            "rubric step rewards added to each turn's advantage (every trajectory, children "
+            "too): off, or the heuristic rubric of rewards.step_rubric"
+        ),
+    ] = "off"
+    step_relevance_weight: Annotated[
+        float, _doc("step rubric: weight of a turn's relevance to the query", ge=0)
+    ] = 0.3
+    step_info_gain_weight: Annotated[
+        float, _doc("step rubric: weight of the novelty of a turn's output", ge=0)
+    ] = 0.4
+    step_coherence_weight: Annotated[
+        float, _doc("step rubric: weight of a turn building on the history", ge=0)
+    ] = 0.3
+    step_cost: Annotated[float, _doc("step rubric: efficiency penalty each turn pays", ge=0)] = 0.05
     updates_per_batch: Annotated[
         int,
         _doc(

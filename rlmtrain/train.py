@@ -80,6 +80,7 @@ from rlmtrain.rewards.exploration import (
     explored_reward,
     tree_turns,
 )
+from rlmtrain.rewards.step_rubric import StepRubricWeights, StepScore, heuristic_step_scores
 from rlmtrain.rewards.tool_credit import rule_credit
 from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rollout.engine import Engine, SamplingParams
@@ -347,14 +348,25 @@ async def _rl(
         scores = await env.root_scores(batch, groups) if batch else []
         rewards = _with_exploration_bonus(groups, scores, cfg, step)
         credit = _tool_credit(groups) if cfg.algo.tool_credit_alpha > 0 else None
-        advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo, tool_credit=credit)
+        step_scores = _step_scores(groups, cfg)
+        steps = None
+        if step_scores is not None:
+            steps = {traj: [s.total for s in turns] for traj, turns in step_scores.items()}
+        advantages, adv_stats = compute_advantages(
+            groups, rewards, cfg.algo, tool_credit=credit, step_rewards=steps
+        )
         counts = parallel.all_sum(
             torch.tensor(
-                [len(advantages), adv_stats.groups_dropped_uniform, adv_stats.roots_unscored],
+                [
+                    len(advantages),
+                    adv_stats.groups_dropped_uniform,
+                    adv_stats.roots_unscored,
+                    *_step_sums(step_scores),
+                ],
                 dtype=torch.float64,
             )
         )
-        kept, dropped, unscored = (int(c) for c in counts.tolist())
+        kept, dropped, unscored = (int(c) for c in counts[:3].tolist())
         # Every weight divides by the global count of kept groups: docs/algorithm.md §4's
         # objective for the whole batch, of which each rank holds a share.
         local = build_samples(groups, advantages, cfg.algo, num_groups=max(1, kept))
@@ -372,6 +384,15 @@ async def _rl(
             "roots_unscored": unscored,
             **_rollout_row(scheduler, groups),
         }
+        if step_scores is not None:
+            *sums, turns = counts[3:].tolist()
+            names = (*STEP_CRITERIA, "reward")
+            row.update(
+                {
+                    f"step_{name}": total / max(1, turns)
+                    for name, total in zip(names, sums, strict=True)
+                }
+            )
         if samples:
             train_began = time.perf_counter()
             packed = _pack(samples, cfg, world.size)
@@ -643,6 +664,42 @@ def _with_exploration_bonus(
         ]
         for group, rs in zip(groups, scores, strict=True)
     ]
+
+
+STEP_CRITERIA = ("relevance", "info_gain", "coherence")
+"""The step rubric's criteria, logged per RL step as `step_<criterion>` means over every turn."""
+
+
+def _step_scores(groups: list[RolloutGroup], cfg: Config) -> dict[str, list[StepScore]] | None:
+    """Every trajectory's per-turn rubric scores, children's too, by trajectory id; None when
+    `algo.step_rewards` is off."""
+    algo = cfg.algo
+    if algo.step_rewards == "off":
+        return None
+    weights = StepRubricWeights(
+        relevance=algo.step_relevance_weight,
+        info_gain=algo.step_info_gain_weight,
+        coherence=algo.step_coherence_weight,
+        efficiency=algo.step_cost,
+    )
+    return {
+        traj.id: heuristic_step_scores(traj.prompt, traj.turns, weights)
+        for group in groups
+        for traj in group.trajectories
+    }
+
+
+def _step_sums(step_scores: dict[str, list[StepScore]] | None) -> list[float]:
+    """Sums over every turn of each criterion and of the combined step reward, then the number
+    of turns (all zero when step rewards are off), for an all-reduce."""
+    sums = [0.0] * (len(STEP_CRITERIA) + 2)
+    for turns in (step_scores or {}).values():
+        for score in turns:
+            for i, name in enumerate(STEP_CRITERIA):
+                sums[i] += getattr(score, name)
+            sums[-2] += score.total
+            sums[-1] += 1
+    return sums
 
 
 def _tool_credit(groups: list[RolloutGroup]) -> dict[str, list[int]]:

@@ -157,3 +157,53 @@ def test_bad_inputs_name_what_is_wrong():
     broken.trajectories = [t for t in broken.trajectories if t.parent_id is None]
     with pytest.raises(ValueError, match="task b: child b/r0/c0 of b/r0 is not in the group"):
         compute_advantages([broken], [[1.0, 0.0]], AlgoConfig())
+
+
+@pytest.mark.parametrize("adjust", ["both", "credit", "steps"])
+def test_turn_adjustments_reach_every_token_through_samples_and_packing(adjust):
+    from rlmtrain.algo.packing import pack
+
+    # Two roots of three turns, root 0 with a child of three turns; rewards (1, 0): A = +1, -1
+    # (eps = 0); the child inherits A = +1. alpha = 1/2.
+    group = _group("t", [[2, 3, 1], [1, 2, 2]], children={0: [[2, 1, 3]]})
+    labels = {"t/r0": [1, 1, -1], "t/r1": [0, -1, -1], "t/r0/c0": [1, 0, 0]}
+    steps = {"t/r0": [0.25, -0.125, 0.5], "t/r1": [0.0, 0.375, -0.25], "t/r0/c0": [-0.5, 0, 0.125]}
+    credit = {  # alpha * |A| * (c_t - mean c): 1/2 * (c_t - mean)
+        "t/r0": [F(1, 2) * (c - F(1, 3)) for c in labels["t/r0"]],
+        "t/r1": [F(1, 2) * (c + F(2, 3)) for c in labels["t/r1"]],
+        "t/r0/c0": [F(1, 2) * (c - F(1, 3)) for c in labels["t/r0/c0"]],
+    }
+    base = {"t/r0": 1, "t/r1": -1, "t/r0/c0": 1}
+    expected = {
+        traj: [
+            base[traj]
+            + (credit[traj][t] if adjust in ("both", "credit") else 0)
+            + (F(steps[traj][t]) if adjust in ("both", "steps") else 0)
+            for t in range(3)
+        ]
+        for traj in base
+    }
+    cfg = AlgoConfig(tool_credit_alpha=0.5 if adjust != "steps" else 0.0)
+    advantages, _ = compute_advantages(
+        [group],
+        [[1.0, 0.0]],
+        cfg,
+        tool_credit=labels if adjust != "steps" else None,
+        step_rewards=steps if adjust != "credit" else None,
+        eps=0.0,
+    )
+    samples = build_samples([group], advantages, cfg)
+    assert len(samples) == 9
+    batches = pack(samples, 64, shared_prefix_tokens=0)
+    seen = 0
+    for mb in batches.micro_batches():
+        for index, row in zip(mb.sample_indices, mb.sample_rows, strict=True):
+            sample = batches.samples[index]
+            span = slice(int(mb.cu_seqlens[row]), int(mb.cu_seqlens[row + 1]))
+            trained = mb.targets[span] != -100
+            want = np.float32(float(expected[sample.trajectory_id][sample.turn]))
+            assert int(trained.sum()) == sample.completion_len
+            np.testing.assert_array_equal(mb.advantages[span][trained].numpy(), want)
+            assert not mb.advantages[span][~trained].any()
+            seen += 1
+    assert seen == 9

@@ -1,8 +1,9 @@
 """The training script end to end, as a user runs it: a real subprocess on a small code base.
 
 SFT on the codenav teacher's trees must lower the loss on the task it sees every step; GRPO
-steps must roll out through the scheduler and native engine (with KL, exploration bonus and
-tool credit on); periodic resumable checkpoints are kept and the final export loads back.
+steps must roll out through the scheduler and native engine (with KL, exploration bonus, tool
+credit and heuristic step rubrics on, each turn's rubric logged per criterion); periodic
+resumable checkpoints are kept and the final export loads back.
 """
 
 import json
@@ -79,6 +80,7 @@ def test_sft_then_grpo_end_to_end(tmp_path, codenav_tasks):
         "--algo.kl_beta=0.01",
         "--algo.exploration_beta=0.1",
         "--algo.tool_credit_alpha=0.5",
+        "--algo.step_rewards=heuristic",
         "--model.tokenizer=byte",
         "--rollout.prompt_style=full",
         "--rollout.max_prompt_tokens=12288",
@@ -93,6 +95,9 @@ def test_sft_then_grpo_end_to_end(tmp_path, codenav_tasks):
     assert sft[-1]["loss"] < sft[0]["loss"], [r["loss"] for r in sft]
     assert sum(rl[0]["finish_reasons"].values()) >= 2  # G = 2 roots at least
     assert rl[0]["generated_tokens"] > 0
+    for row in rl:
+        assert all(0 <= row[f"step_{c}"] <= 1 for c in ("relevance", "info_gain", "coherence"))
+        assert -0.05 <= row["step_reward"] <= 0.95, row["step_reward"]  # weights sum to 1, cost
     saved = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and p.name not in ("data", "tb"))
     assert saved == ["checkpoints", "final"]
     # Resumable checkpoints every 2 steps of each phase, the newest checkpoint.keep = 2 kept.
