@@ -25,6 +25,14 @@ e.g. the evidence env's datasets / baselines / results / limitation): a policy t
 three families and not the fourth shows it here, where the overall mean hides it. Metrics that
 do not apply (span F1 without gold evidence, spawn rate over multi-paper tasks when there are
 none, per-kind means when no task has a kind) are None, not 0.
+
+Per method. Tool use, BookNavigator's measure of whether RL kept the model using its tools:
+`tool_calls_per_trajectory` counts calls of the env's own tools (`Env.tool_names`) per
+trajectory, children included, and `distinct_tool_share` is the mean over trajectories of the
+share of those tools each used at least once. The step rubric of LongTraceRL
+(`rewards.step_rubric`, its heuristic) gives `step_relevance`, `step_info_gain` and
+`step_coherence`, means over every turn. An env whose reward is a verdict names its pass rate
+(`Env.pass_metric`: booknav's `proof_pass_rate`, the share of scored roots the judge passed).
 """
 
 from __future__ import annotations
@@ -86,10 +94,13 @@ def summarize(
     samples: int,
     seconds: float,
     pass_threshold: float = DEFAULT_PASS_THRESHOLD,
+    tools: Sequence[str] = (),
+    pass_metric: str | None = None,
 ) -> dict[str, Any]:
     """The evaluation report of `groups` (one per task, G = `samples` roots each) and their root
     scores (`scores[i]` in `groups[i].roots` order). See the module docstring for the choices;
-    `seconds` is the caller's wall time of the whole evaluation."""
+    `seconds` is the caller's wall time of the whole evaluation; `tools` the env's tool names and
+    `pass_metric` its verdict pass rate's name (`Env.tool_names`, `Env.pass_metric`)."""
     if not len(tasks) == len(groups) == len(scores):
         raise ValueError(
             f"summarize: {len(tasks)} tasks, {len(groups)} groups, {len(scores)} score lists"
@@ -139,6 +150,9 @@ def summarize(
         for turn in trajectory.turns:
             tool_calls.update(call.name for call in turn.tool_calls)
     tree_walls = _tree_walls(groups)
+    verdict: dict[str, Any] = {"pass_metric": pass_metric}
+    if pass_metric is not None:
+        verdict[pass_metric] = _mean([float(v >= 1.0) for v in root_scores])
     return {
         "tasks": len(tasks),
         "samples": samples,
@@ -165,10 +179,37 @@ def summarize(
             "children": dict(sorted(Counter(t.finish_reason for t in children).items())),
         },
         "tool_calls": dict(sorted(tool_calls.items())),
+        **_tool_use(everyone, tools),
+        **_step_rubric_means(everyone),
+        **verdict,
         "generated_tokens": sum(len(turn.completion_ids) for t in everyone for turn in t.turns),
         "sample_digest": sample_digest(groups),
         "wall_s_per_tree": _mean(tree_walls),
         "seconds": seconds,
+    }
+
+
+def _tool_use(trajectories: Sequence[Trajectory], tools: Sequence[str]) -> dict[str, Any]:
+    """Calls of the env's tools per trajectory, and the mean share of them each one used."""
+    if not tools or not trajectories:
+        return {"tool_calls_per_trajectory": None, "distinct_tool_share": None}
+    known = set(tools)
+    calls, shares = [], []
+    for trajectory in trajectories:
+        names = [c.name for turn in trajectory.turns for c in turn.tool_calls if c.name in known]
+        calls.append(len(names))
+        shares.append(len(set(names)) / len(known))
+    return {"tool_calls_per_trajectory": _mean(calls), "distinct_tool_share": _mean(shares)}
+
+
+def _step_rubric_means(trajectories: Sequence[Trajectory]) -> dict[str, float | None]:
+    """The heuristic step rubric's criteria, each a mean over every turn."""
+    from rlmtrain.rewards.step_rubric import heuristic_step_scores
+
+    scores = [s for t in trajectories for s in heuristic_step_scores(t.prompt, t.turns)]
+    return {
+        f"step_{name}": _mean([getattr(s, name) for s in scores])
+        for name in ("relevance", "info_gain", "coherence")
     }
 
 
@@ -285,6 +326,8 @@ async def evaluate(
         samples=samples,
         seconds=time.perf_counter() - began,
         pass_threshold=pass_threshold,
+        tools=env.tool_names(),
+        pass_metric=env.pass_metric,
     )
     return {"phase": phase, "step": step, **report}
 
@@ -311,6 +354,15 @@ def format_report(report: dict[str, Any]) -> str:
         ("finish (roots)", _counts(report["finish_reasons"]["roots"])),
         ("finish (children)", _counts(report["finish_reasons"]["children"])),
         ("tool calls", _counts(report["tool_calls"])),
+        ("tool calls per trajectory", _num(report["tool_calls_per_trajectory"], 2)),
+        ("distinct tools used", _percent(report["distinct_tool_share"])),
+        (
+            "step rubric",
+            " ".join(
+                f"{name}={_num(report[f'step_{name}'], 3)}"
+                for name in ("relevance", "info_gain", "coherence")
+            ),
+        ),
         ("generated tokens", str(report["generated_tokens"])),
         ("wall s per tree", _num(report["wall_s_per_tree"], 2)),
         ("sample digest", report["sample_digest"]),
@@ -319,6 +371,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{report.get('phase', 'eval')} step {report.get('step', 0)}: {report['tasks']} tasks "
         f"x {report['samples']} samples ({report['roots']} roots) in {report['seconds']:.1f} s"
     )
+    if verdict := report.get("pass_metric"):
+        rows.append((verdict.replace("_", " "), _percent(report[verdict])))
     width = max(len(name) for name, _ in rows)
     return "\n".join([title, *(f"  {name:<{width}}  {value}" for name, value in rows)])
 

@@ -172,15 +172,41 @@ def test_summarize_hand_built_groups() -> None:
             "children": {"error": 1, "final": 1, "max_turns": 1},
         },
         "tool_calls": {"rlm_query": 1, "rlm_query_batched": 1, "search": 3},
+        "tool_calls_per_trajectory": None,  # the env's tools were not named
+        "distinct_tool_share": None,
+        "pass_metric": None,
         "generated_tokens": 3 * 10,
         "wall_s_per_tree": (4.0 + 15.0) / 2,  # trees with timed turns: one#0, two#0
         "seconds": 7.5,
     }
     digest = report.pop("sample_digest")
+    rubric = [report.pop(f"step_{c}") for c in ("relevance", "info_gain", "coherence")]
+    assert all(0 <= value <= 1 for value in rubric), rubric
     assert report == expected
     assert len(digest) == 8
     groups[1].trajectories[2].turns[0].completion_ids = [1, 2, 4]  # one token of a child
     assert summarize(TASKS, groups, scores, samples=2, seconds=0)["sample_digest"] != digest
+
+
+def test_summarize_tool_use_and_a_verdict_pass_rate() -> None:
+    groups, _ = hand_built()
+    report = summarize(
+        TASKS,
+        groups,
+        [[1.0, -1.0], [1.0, None]],
+        samples=2,
+        seconds=0,
+        tools=["search", "extract_section"],
+        pass_metric="proof_pass_rate",
+    )
+    # Seven trajectories; one#0 calls search twice and two#0.0 once; rlm_query is no env tool.
+    assert report["tool_calls_per_trajectory"] == pytest.approx(3 / 7)
+    assert report["distinct_tool_share"] == pytest.approx((1 / 2 + 1 / 2) / 7)
+    assert report["pass_metric"] == "proof_pass_rate"
+    assert report["proof_pass_rate"] == pytest.approx(2 / 3)  # the unscored root left out
+    text = format_report(report)
+    assert "proof pass rate" in text and "66.7%" in text
+    assert "tool calls per trajectory" in text and "0.43" in text
 
 
 def test_summarize_threshold_and_missing_metrics() -> None:
@@ -267,6 +293,11 @@ def test_evaluate_scores_spawns_on_a_given_engine() -> None:
     assert report["children_per_root"] == 0.5
     assert report["finish_reasons"] == {"roots": {"final": 4}, "children": {"final": 2}}
     assert report["tool_calls"] == {"rlm_query_batched": 2}
+    # The env's tools, read from its tool modules; spawning is none of them.
+    tools = EvidenceEnv(PAPERS).tool_names()
+    assert tools == ["list_papers", "search", "extract_section", "get_paper_abstract"]
+    assert report["tool_calls_per_trajectory"] == 0.0 and report["distinct_tool_share"] == 0.0
+    assert report["pass_metric"] is None  # span F1 is graded, not a verdict
     assert report["turns_mean"] == 1.0 and report["wall_s_per_tree"] > 0
 
 

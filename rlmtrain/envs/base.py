@@ -71,6 +71,9 @@ class Env:
 
     name: ClassVar[str] = ""
     task_type: ClassVar[type[Task]] = Task
+    pass_metric: ClassVar[str | None] = None
+    """For an env whose reward is a verdict (1 = pass): the name under which the evaluation
+    reports the share of scored roots that pass; None for graded rewards."""
     prompt_style: str = "full"
     """"full" or "compact" (`rlm.prompts.PromptStyle`): the style of this env's strategy and root
     messages, matching `rollout.prompt_style` (the factory reads it from the config)."""
@@ -102,6 +105,12 @@ class Env:
         Such modules should import only the standard library: every REPL zygote imports them.
         """
         return []
+
+    def tool_names(self) -> list[str]:
+        """Names of the functions `tool_modules()` inject, in their modules' order."""
+        import importlib
+
+        return [f.__name__ for m in self.tool_modules() for f in importlib.import_module(m).TOOLS]
 
     async def reward(self, task: Task, group: RolloutGroup) -> RewardResult:
         """Score each root trajectory of `group` (children are never scored, docs/algorithm.md

@@ -101,6 +101,7 @@ FINAL(proof), the proof as one string."""
 
 class BookNavEnv(Env):
     name = "booknav"
+    pass_metric = "proof_pass_rate"
     task_type = BookTask
 
     def __init__(self, judge: JudgeConfig, client: ChatClient | None = None):
