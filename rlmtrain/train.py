@@ -80,8 +80,7 @@ from rlmtrain.rewards.exploration import (
     explored_reward,
     tree_turns,
 )
-from rlmtrain.rewards.step_rubric import StepRubricWeights, StepScore, heuristic_step_scores
-from rlmtrain.rewards.tool_credit import rule_credit
+from rlmtrain.rewards.turn_signals import STEP_CRITERIA, TurnSignals, step_sums
 from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rollout.engine import Engine, SamplingParams
 from rlmtrain.rollout.engines import build_engine
@@ -329,118 +328,123 @@ async def _rl(
     picks = _batches(tasks, cfg.train.tasks_per_step, cfg.train.seed)
     for _ in range(first_step):
         next(picks)
-    for step in range(first_step, cfg.train.steps):
-        began = time.perf_counter()
-        lr = lr_at(cfg, "rl", step)
-        set_lr(optimizer, lr)
-        await sync()
-        # This rank's share of the step's tasks, all G roots of a task on one rank.
-        batch = next(picks)[world.rank :: world.size]
-        # Each request's seed comes from (this seed, trajectory id, turn): a rerun samples the
-        # same trees whatever order the engine batched them in, on any number of ranks.
-        sampling = SamplingParams(
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            seed=cfg.train.seed * 1_000_003 + step,
-        )
-        scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
-        groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples) if batch else []
-        scores = await env.root_scores(batch, groups) if batch else []
-        rewards = _with_exploration_bonus(groups, scores, cfg, step)
-        credit = _tool_credit(groups) if cfg.algo.tool_credit_alpha > 0 else None
-        step_scores = _step_scores(groups, cfg)
-        steps = None
-        if step_scores is not None:
-            steps = {traj: [s.total for s in turns] for traj, turns in step_scores.items()}
-        advantages, adv_stats = compute_advantages(
-            groups, rewards, cfg.algo, tool_credit=credit, step_rewards=steps
-        )
-        counts = parallel.all_sum(
-            torch.tensor(
-                [
-                    len(advantages),
-                    adv_stats.groups_dropped_uniform,
-                    adv_stats.roots_unscored,
-                    *_step_sums(step_scores),
-                ],
-                dtype=torch.float64,
-            )
-        )
-        kept, dropped, unscored = (int(c) for c in counts[:3].tolist())
-        # Every weight divides by the global count of kept groups: docs/algorithm.md §4's
-        # objective for the whole batch, of which each rank holds a share.
-        local = build_samples(groups, advantages, cfg.algo, num_groups=max(1, kept))
-        flat_local = [r for rs in scores for r in rs if r is not None]
-        shares = parallel.all_gather((local, flat_local))
-        samples = [sample for share, _ in shares for sample in share]
-        flat = [r for _, rewards_of_rank in shares for r in rewards_of_rank]
-        row: dict[str, Any] = {
-            "phase": "rl",
-            "step": step,
-            "lr": lr,
-            "reward_mean": _mean(flat),
-            "groups_kept": kept,
-            "groups_dropped_uniform": dropped,
-            "roots_unscored": unscored,
-            **_rollout_row(scheduler, groups),
-        }
-        if step_scores is not None:
-            *sums, turns = counts[3:].tolist()
-            names = (*STEP_CRITERIA, "reward")
-            row.update(
-                {
-                    f"step_{name}": total / max(1, turns)
-                    for name, total in zip(names, sums, strict=True)
-                }
-            )
-        if samples:
-            train_began = time.perf_counter()
-            packed = _pack(samples, cfg, world.size)
-            row.update(
-                _grpo_step(model, optimizer, packed, cfg, device, reference, rank=world.rank)
-            )
-            row["train_s"] = time.perf_counter() - train_began
-            sync.stale()
-            sync_began = time.perf_counter()
+    signals = TurnSignals(cfg)
+    try:
+        for step in range(first_step, cfg.train.steps):
+            began = time.perf_counter()
+            lr = lr_at(cfg, "rl", step)
+            set_lr(optimizer, lr)
             await sync()
-            row["sync_s"] = time.perf_counter() - sync_began
-        row["seconds"] = time.perf_counter() - began
-        runlog.step(row)
-        runlog.samples("rl", step, groups, scores)
-        runlog.histograms(
-            "rl",
-            step,
-            reward=flat,
-            advantage=[float(a) for sample in samples for a in sample.advantages],
-            response_length=[
-                len(turn.completion_ids)
-                for group in groups
-                for trajectory in group.trajectories
-                for turn in trajectory.turns
-            ],
-        )
-        if _due(cfg, step):
-            save_checkpoint("rl", step + 1, lr, reference)
-        if step % cfg.logging.every == 0 or step == cfg.train.steps - 1:
-            log.info(
-                "rl %3d  reward %.3f  groups %d/%d  loss %s  tokens %d  rollout %.1f s  "
-                "step %.1f s  finish %s",
-                step,
-                row["reward_mean"],
-                kept,
-                kept + dropped,
-                f"{row['loss']:.4f}" if "loss" in row else "-",
-                row.get("tokens", 0),
-                row["rollout_s"],
-                row["seconds"],
-                row["finish_reasons"],
+            # This rank's share of the step's tasks, all G roots of a task on one rank.
+            batch = next(picks)[world.rank :: world.size]
+            # Each request's seed comes from (this seed, trajectory id, turn): a rerun samples the
+            # same trees whatever order the engine batched them in, on any number of ranks.
+            sampling = SamplingParams(
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                seed=cfg.train.seed * 1_000_003 + step,
             )
-        every = cfg.eval.every
-        if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
-            await evaluate_now("rl", cfg.train.sft_steps + step + 1)
+            scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
+            groups = await scheduler.rollout(batch, env, cfg.rollout.n_samples) if batch else []
+            scores = await env.root_scores(batch, groups) if batch else []
+            rewards = _with_exploration_bonus(groups, scores, cfg, step)
+            credit = await signals.credit(groups)
+            step_scores = await signals.steps(groups)
+            steps = None
+            if step_scores is not None:
+                steps = {traj: [s.total for s in turns] for traj, turns in step_scores.items()}
+            advantages, adv_stats = compute_advantages(
+                groups, rewards, cfg.algo, tool_credit=credit, step_rewards=steps
+            )
+            counts = parallel.all_sum(
+                torch.tensor(
+                    [
+                        len(advantages),
+                        adv_stats.groups_dropped_uniform,
+                        adv_stats.roots_unscored,
+                        *step_sums(step_scores),
+                        *signals.counts.values(),
+                    ],
+                    dtype=torch.float64,
+                )
+            )
+            kept, dropped, unscored = (int(c) for c in counts[:3].tolist())
+            # Every weight divides by the global count of kept groups: docs/algorithm.md §4's
+            # objective for the whole batch, of which each rank holds a share.
+            local = build_samples(groups, advantages, cfg.algo, num_groups=max(1, kept))
+            flat_local = [r for rs in scores for r in rs if r is not None]
+            shares = parallel.all_gather((local, flat_local))
+            samples = [sample for share, _ in shares for sample in share]
+            flat = [r for _, rewards_of_rank in shares for r in rewards_of_rank]
+            row: dict[str, Any] = {
+                "phase": "rl",
+                "step": step,
+                "lr": lr,
+                "reward_mean": _mean(flat),
+                "groups_kept": kept,
+                "groups_dropped_uniform": dropped,
+                "roots_unscored": unscored,
+                **_rollout_row(scheduler, groups),
+            }
+            if step_scores is not None:
+                *sums, turns = counts[3 : 3 + len(STEP_CRITERIA) + 2].tolist()
+                names = (*STEP_CRITERIA, "reward")
+                means = {
+                    f"step_{n}": total / max(1, turns) for n, total in zip(names, sums, strict=True)
+                }
+                row.update(means)
+            judged = counts[3 + len(STEP_CRITERIA) + 2 :].tolist()
+            row.update({k: int(v) for k, v in zip(signals.counts, judged, strict=True)})
+            signals.reset_counts()
+            if samples:
+                train_began = time.perf_counter()
+                packed = _pack(samples, cfg, world.size)
+                row.update(
+                    _grpo_step(model, optimizer, packed, cfg, device, reference, rank=world.rank)
+                )
+                row["train_s"] = time.perf_counter() - train_began
+                sync.stale()
+                sync_began = time.perf_counter()
+                await sync()
+                row["sync_s"] = time.perf_counter() - sync_began
+            row["seconds"] = time.perf_counter() - began
+            runlog.step(row)
+            runlog.samples("rl", step, groups, scores)
+            runlog.histograms(
+                "rl",
+                step,
+                reward=flat,
+                advantage=[float(a) for sample in samples for a in sample.advantages],
+                response_length=[
+                    len(turn.completion_ids)
+                    for group in groups
+                    for trajectory in group.trajectories
+                    for turn in trajectory.turns
+                ],
+            )
+            if _due(cfg, step):
+                save_checkpoint("rl", step + 1, lr, reference)
+            if step % cfg.logging.every == 0 or step == cfg.train.steps - 1:
+                log.info(
+                    "rl %3d  reward %.3f  groups %d/%d  loss %s  tokens %d  rollout %.1f s  "
+                    "step %.1f s  finish %s",
+                    step,
+                    row["reward_mean"],
+                    kept,
+                    kept + dropped,
+                    f"{row['loss']:.4f}" if "loss" in row else "-",
+                    row.get("tokens", 0),
+                    row["rollout_s"],
+                    row["seconds"],
+                    row["finish_reasons"],
+                )
+            every = cfg.eval.every
+            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
+                await evaluate_now("rl", cfg.train.sft_steps + step + 1)
 
-
-# ==================================================================== train steps
+    # ==================================================================== train steps
+    finally:
+        await signals.close()
 
 
 def _pack(samples: list[Sample], cfg: Config, world_size: int = 1) -> PackedBatches:
@@ -664,50 +668,6 @@ def _with_exploration_bonus(
         ]
         for group, rs in zip(groups, scores, strict=True)
     ]
-
-
-STEP_CRITERIA = ("relevance", "info_gain", "coherence")
-"""The step rubric's criteria, logged per RL step as `step_<criterion>` means over every turn."""
-
-
-def _step_scores(groups: list[RolloutGroup], cfg: Config) -> dict[str, list[StepScore]] | None:
-    """Every trajectory's per-turn rubric scores, children's too, by trajectory id; None when
-    `algo.step_rewards` is off."""
-    algo = cfg.algo
-    if algo.step_rewards == "off":
-        return None
-    weights = StepRubricWeights(
-        relevance=algo.step_relevance_weight,
-        info_gain=algo.step_info_gain_weight,
-        coherence=algo.step_coherence_weight,
-        efficiency=algo.step_cost,
-    )
-    return {
-        traj.id: heuristic_step_scores(traj.prompt, traj.turns, weights)
-        for group in groups
-        for traj in group.trajectories
-    }
-
-
-def _step_sums(step_scores: dict[str, list[StepScore]] | None) -> list[float]:
-    """Sums over every turn of each criterion and of the combined step reward, then the number
-    of turns (all zero when step rewards are off), for an all-reduce."""
-    sums = [0.0] * (len(STEP_CRITERIA) + 2)
-    for turns in (step_scores or {}).values():
-        for score in turns:
-            for i, name in enumerate(STEP_CRITERIA):
-                sums[i] += getattr(score, name)
-            sums[-2] += score.total
-            sums[-1] += 1
-    return sums
-
-
-def _tool_credit(groups: list[RolloutGroup]) -> dict[str, list[int]]:
-    """Per-turn useful/neutral/harmful labels by the rule-based labeller, every trajectory."""
-    labels: dict[str, list[int]] = {}
-    for group in groups:
-        labels.update(rule_credit(group))
-    return labels
 
 
 def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Config) -> float:

@@ -5,12 +5,14 @@ random model saved by `save_hf` with a BPE tokenizer and its chat template. A ra
 noise, so every reply that scores does so because the server decoded to the JSON schema the
 client sent (`judge.response_format = "json_schema"`): integers within 1-10, a bounded reason.
 The server's whitespace is turned off (`disable_any_whitespace`): under a schema, a random model
-would otherwise fill max_tokens with it.
+would otherwise fill max_tokens with it. The same server then judges a codenav RL step's tool
+credit and step rubric through the trainer (`algo.tool_credit = algo.step_rewards = "judge"`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -116,3 +118,53 @@ def test_rubric_replies_decoded_to_the_schema_are_scored(judge_url):
     stats = judge.client.stats
     # No retry and no fallback to json_object: the server took the schema and kept to it.
     assert (stats.requests, stats.retries, stats.failures) == (4, 0, 0), stats
+
+
+SHOP = {
+    "shop/__init__.py": "",
+    "shop/cart.py": "from shop.prices import price_of\n\n\ndef total(items):\n"
+    "    return sum(price_of(item) for item in items)\n",
+    "shop/prices.py": "def price_of(item):\n    return round(item * 1.2, 2)\n",
+}
+
+
+def test_an_rl_step_with_the_judged_tool_credit_and_step_rubric(judge_url, tmp_path):
+    """One RL step of codenav whose tool credit and step rubric come from the server: every
+    trajectory with turns asks each judge once, counted, and each reply decodes to the schema."""
+    from rlmtrain.envs.base import write_tasks
+    from rlmtrain.envs.codenav import generate_tasks
+
+    for name, source in SHOP.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(source)
+    tasks = tmp_path / "tasks.jsonl"
+    write_tasks(tasks, generate_tasks(tmp_path / "shop", n=1, seed=0))
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "rlmtrain.cli", "train", "--config", "configs/tiny-cpu.toml"),
+            *("--data.env=codenav", f"--data.train_path={tasks}", f"--checkpoint.dir={run}"),
+            *("--train.sft_steps=0", "--train.steps=1", "--rollout.n_samples=2"),
+            *("--rollout.max_turns=2", "--rollout.max_new_tokens=64", "--eval.every=0"),
+            *("--model.tokenizer=byte", "--rollout.prompt_style=full"),
+            *("--rollout.max_prompt_tokens=12288", "--algo.micro_batch_tokens=12544"),
+            *("--algo.tool_credit_alpha=0.5", "--algo.tool_credit=judge"),
+            *("--algo.step_rewards=judge", f"--judge.base_url={judge_url}"),
+            *("--judge.max_tokens=256", "--judge.max_retries=0", "--judge.timeout_s=120"),
+            "--logging.progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (rl,) = [r for r in rows if r["phase"] == "rl"]
+    assert rl["roots_unscored"] == 0  # codenav's reward is verifiable
+    asked = rl["credit_judge_calls"]
+    assert asked >= 2 and rl["step_judge_calls"] == asked  # G = 2 roots at least, each once
+    # The schema, which names the number of entries too, holds a random model to replies that
+    # judge every trajectory: none falls back on the rules.
+    assert rl["credit_judge_fallbacks"] == 0 and rl["step_judge_fallbacks"] == 0, rl
+    assert all(0 <= rl[f"step_{c}"] <= 1 for c in ("relevance", "coherence"))

@@ -9,8 +9,10 @@ prompt, the closing request, the reply type and what they do with the entries.
 from __future__ import annotations
 
 import asyncio
+import functools
+import typing
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 
@@ -54,7 +56,21 @@ async def ask_per_turn(
         if got != n_turns:
             raise ValueError(f"expected {n_turns} {field}, got {got}")
 
-    return await client.complete_json(messages, reply_type, one_per_turn)
+    # The schema the server decodes to says the length too, so a server that keeps to it cannot
+    # answer with another count (the check stays for servers that do not).
+    exact = _with_length(reply_type, field, n_turns)
+    return await client.complete_json(messages, exact, one_per_turn)
+
+
+@functools.cache
+def _with_length(reply_type: type[R], field: str, length: int) -> type[R]:
+    """`reply_type` whose list `field` must hold exactly `length` entries (a subclass, so the
+    reply reads as before)."""
+    entries = typing.get_type_hints(reply_type, include_extras=True)[field]
+    exact = Annotated[entries, msgspec.Meta(min_length=length, max_length=length)]
+    return msgspec.defstruct(
+        f"{reply_type.__name__}Of{length}", [(field, exact)], bases=(reply_type,)
+    )
 
 
 async def judge_each_trajectory(

@@ -1,0 +1,89 @@
+"""The config's cross-field rules (`preflight`), checked whenever a config loads
+(`config._validate`): the limits one key sets for another.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlmtrain.config import Config
+
+__all__ = ["preflight"]
+
+
+def preflight(config: Config) -> str:
+    """The first rule across fields that `config` breaks, as "key 'section.key': why"; "" when
+    it keeps them all. These are the limits one key sets for another, which the schema's
+    per-field bounds cannot see; each would otherwise fail mid-run, on the first long turn or
+    the first deep tree."""
+    model, rollout, algo, train = config.model, config.rollout, config.algo, config.train
+    longest_turn = rollout.max_prompt_tokens + rollout.max_new_tokens
+    rules = [
+        (
+            "algo.micro_batch_tokens",
+            algo.micro_batch_tokens >= longest_turn or algo.truncate_long_samples,
+            f"{algo.micro_batch_tokens} is less than the longest possible turn "
+            f"(rollout.max_prompt_tokens + rollout.max_new_tokens = {longest_turn}); raise it, "
+            "lower those, or set algo.truncate_long_samples = true",
+        ),
+        (
+            "rollout.kv_cache_tokens",
+            rollout.engine != "native" or rollout.kv_cache_tokens >= longest_turn,
+            f"{rollout.kv_cache_tokens} cannot hold one turn of rollout.max_prompt_tokens + "
+            f"rollout.max_new_tokens = {longest_turn} tokens",
+        ),
+        ("rollout.max_live_workers", not rollout.too_few_workers(), rollout.too_few_workers()),
+        (
+            "algo.dual_clip",
+            algo.dual_clip == 0 or algo.dual_clip > 1 + algo.clip_high,
+            f"{algo.dual_clip} must be 0 (off) or above 1 + algo.clip_high = "
+            f"{1 + algo.clip_high}, where the ordinary clip ends",
+        ),
+        (
+            "algo.tis_cap",
+            algo.tis_cap == 0 or algo.tis_cap >= 1,
+            f"{algo.tis_cap} would cap even on-policy tokens below weight 1; use 0 (off) or >= 1",
+        ),
+        (
+            "algo.updates_per_batch",
+            algo.updates_per_batch == 1 or algo.clip_low > 0 or algo.clip_high > 0,
+            "several updates per batch with no clip (algo.clip_low = algo.clip_high = 0) let "
+            "the policy run away from pi_old",
+        ),
+        (
+            "algo.step_rewards",
+            algo.step_rewards != "judge" or bool(config.judge.base_url),
+            "'judge' asks the judge model; set judge.base_url",
+        ),
+        (
+            "algo.tool_credit",
+            algo.tool_credit != "judge" or bool(config.judge.base_url),
+            "'judge' asks the judge model; set judge.base_url",
+        ),
+        (
+            "algo.tool_credit",
+            algo.tool_credit != "judge" or algo.tool_credit_alpha > 0,
+            "'judge' labels turns for the tool credit, which algo.tool_credit_alpha = 0 turns off",
+        ),
+        (
+            "train.adam_betas",
+            len(train.adam_betas) == 2 and all(0 <= b < 1 for b in train.adam_betas),
+            f"{train.adam_betas} must be two numbers in [0, 1)",
+        ),
+        (
+            "train.warmup_steps",
+            train.warmup_steps == 0 or train.warmup_steps < max(train.steps, train.sft_steps),
+            f"{train.warmup_steps} warm-up steps leave no step at the peak LR in either phase",
+        ),
+        (
+            "model.tokenizer",
+            model.tokenizer != "bpe" or not model.hf_dir,
+            "'bpe' trains a new vocabulary, but model.hf_dir brings its own; set "
+            "model.tokenizer = '' to use the checkpoint's",
+        ),
+    ]
+    for key, holds, why in rules:
+        if not holds:
+            return f"key '{key}': {why}"
+    return ""
