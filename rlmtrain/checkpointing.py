@@ -161,8 +161,8 @@ def check(path: Path) -> None:
 
 
 def trainer_state(path: Path) -> TrainerState:
-    """The trainer state of the checkpoint at `path`, after checking it is whole."""
-    check(path)
+    """The trainer state of the checkpoint at `path` (`check` it first: `latest` and `load`
+    do)."""
     try:
         return msgspec.json.decode((path / "trainer.json").read_bytes(), type=TrainerState)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -172,6 +172,7 @@ def trainer_state(path: Path) -> TrainerState:
 def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
     """Restore model, optimizer and this rank's generators from `path` (all ranks together);
     the trainer state to continue from."""
+    check(path)
     state = trainer_state(path)
     if state.world_size != dist.get_world_size():
         raise CheckpointError(

@@ -45,6 +45,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlmtrain.rewards.step_rubric import STEP_CRITERIA, heuristic_step_scores
 from rlmtrain.rlm.code_calls import SUBQUERY_BUILTINS
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 
@@ -204,13 +205,8 @@ def _tool_use(trajectories: Sequence[Trajectory], tools: Sequence[str]) -> dict[
 
 def _step_rubric_means(trajectories: Sequence[Trajectory]) -> dict[str, float | None]:
     """The heuristic step rubric's criteria, each a mean over every turn."""
-    from rlmtrain.rewards.step_rubric import heuristic_step_scores
-
     scores = [s for t in trajectories for s in heuristic_step_scores(t.prompt, t.turns)]
-    return {
-        f"step_{name}": _mean([getattr(s, name) for s in scores])
-        for name in ("relevance", "info_gain", "coherence")
-    }
+    return {f"step_{name}": _mean([getattr(s, name) for s in scores]) for name in STEP_CRITERIA}
 
 
 def spawned(root: Trajectory) -> bool:
@@ -358,10 +354,7 @@ def format_report(report: dict[str, Any]) -> str:
         ("distinct tools used", _percent(report["distinct_tool_share"])),
         (
             "step rubric",
-            " ".join(
-                f"{name}={_num(report[f'step_{name}'], 3)}"
-                for name in ("relevance", "info_gain", "coherence")
-            ),
+            " ".join(f"{name}={_num(report[f'step_{name}'], 3)}" for name in STEP_CRITERIA),
         ),
         ("generated tokens", str(report["generated_tokens"])),
         ("wall s per tree", _num(report["wall_s_per_tree"], 2)),

@@ -80,7 +80,7 @@ from rlmtrain.rewards.exploration import (
     explored_reward,
     tree_turns,
 )
-from rlmtrain.rewards.turn_signals import STEP_CRITERIA, TurnSignals, step_sums
+from rlmtrain.rewards.turn_signals import TurnSignals, step_totals
 from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rollout.engine import Engine, SamplingParams
 from rlmtrain.rollout.engines import build_engine
@@ -350,11 +350,8 @@ async def _rl(
             rewards = _with_exploration_bonus(groups, scores, cfg, step)
             credit = await signals.credit(groups)
             step_scores = await signals.steps(groups)
-            steps = None
-            if step_scores is not None:
-                steps = {traj: [s.total for s in turns] for traj, turns in step_scores.items()}
             advantages, adv_stats = compute_advantages(
-                groups, rewards, cfg.algo, tool_credit=credit, step_rewards=steps
+                groups, rewards, cfg.algo, tool_credit=credit, step_rewards=step_totals(step_scores)
             )
             counts = parallel.all_sum(
                 torch.tensor(
@@ -362,8 +359,7 @@ async def _rl(
                         len(advantages),
                         adv_stats.groups_dropped_uniform,
                         adv_stats.roots_unscored,
-                        *step_sums(step_scores),
-                        *signals.counts.values(),
+                        *signals.local_sums(step_scores),
                     ],
                     dtype=torch.float64,
                 )
@@ -385,17 +381,8 @@ async def _rl(
                 "groups_dropped_uniform": dropped,
                 "roots_unscored": unscored,
                 **_rollout_row(scheduler, groups),
+                **signals.row(counts[3:].tolist()),
             }
-            if step_scores is not None:
-                *sums, turns = counts[3 : 3 + len(STEP_CRITERIA) + 2].tolist()
-                names = (*STEP_CRITERIA, "reward")
-                means = {
-                    f"step_{n}": total / max(1, turns) for n, total in zip(names, sums, strict=True)
-                }
-                row.update(means)
-            judged = counts[3 + len(STEP_CRITERIA) + 2 :].tolist()
-            row.update({k: int(v) for k, v in zip(signals.counts, judged, strict=True)})
-            signals.reset_counts()
             if samples:
                 train_began = time.perf_counter()
                 packed = _pack(samples, cfg, world.size)
@@ -441,10 +428,11 @@ async def _rl(
             every = cfg.eval.every
             if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
                 await evaluate_now("rl", cfg.train.sft_steps + step + 1)
-
-    # ==================================================================== train steps
     finally:
         await signals.close()
+
+
+# ==================================================================== train steps
 
 
 def _pack(samples: list[Sample], cfg: Config, world_size: int = 1) -> PackedBatches:

@@ -8,30 +8,11 @@ alone by running the full packed forward over the whole sequence at every step.
 
 import pytest
 import torch
+from small_model import ARGS, make_model
 
-from rlmtrain.model import CacheFull, KVCache, ModelArgs, Transformer
+from rlmtrain.model import CacheFull, KVCache, Transformer
 
-ARGS = ModelArgs(
-    family="qwen3",
-    vocab_size=200,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=10_000.0,
-    qk_norm=True,
-    tie_word_embeddings=True,
-)
 PAGE = 8
-
-
-def make_model(attention: str = "sdpa") -> Transformer:
-    model = Transformer(ARGS, attention=attention)
-    # A wide init makes logits peaked, so greedy choices are not decided by rounding noise.
-    model.init_weights(seed=0, std=0.5)
-    return model.eval()
 
 
 def greedy(hidden: torch.Tensor, model: Transformer) -> torch.Tensor:

@@ -15,35 +15,21 @@ import itertools
 
 import pytest
 import torch
+from small_model import ARGS, make_model
 
 from rlmtrain.config import ModelConfig, load_config
-from rlmtrain.model import CacheFull, KVCache, ModelArgs, Transformer, build_model, named_hf_tensors
+from rlmtrain.model import CacheFull, KVCache, Transformer, build_model, named_hf_tensors
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.engines import build_engine
 from rlmtrain.rollout.engines.native import NativeEngine
 
-ARGS = ModelArgs(
-    family="qwen3",
-    vocab_size=200,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=10_000.0,
-    qk_norm=True,
-    tie_word_embeddings=True,
-)
 PAGE = 4
 
 
 @pytest.fixture(scope="module")
 def small():
-    model = Transformer(ARGS, attention="sdpa")
-    model.init_weights(seed=0, std=0.5)
-    return model.eval()
+    return make_model()
 
 
 def tokens(*values: int | list[int]) -> torch.Tensor:

@@ -108,9 +108,9 @@ class Env:
 
     def tool_names(self) -> list[str]:
         """Names of the functions `tool_modules()` inject, in their modules' order."""
-        import importlib
+        from rlmtrain.rlm.tools import load_tools
 
-        return [f.__name__ for m in self.tool_modules() for f in importlib.import_module(m).TOOLS]
+        return list(load_tools(self.tool_modules()))
 
     async def reward(self, task: Task, group: RolloutGroup) -> RewardResult:
         """Score each root trajectory of `group` (children are never scored, docs/algorithm.md

@@ -35,6 +35,7 @@ from rlmtrain.rewards.turn_judge import ask_per_turn, judge_each_trajectory, ste
 from rlmtrain.rlm.records import RolloutGroup, Turn
 
 __all__ = [
+    "STEP_CRITERIA",
     "STEP_RUBRIC_SYSTEM_PROMPT",
     "JudgedSteps",
     "StepRubricJudge",
@@ -70,6 +71,10 @@ class StepScore(msgspec.Struct, kw_only=True):
     coherence: float
     total: float
     """The weighted sum minus the per-step cost."""
+
+
+STEP_CRITERIA = ("relevance", "info_gain", "coherence")
+"""The criteria of a `StepScore`, in its order; reports name them `step_<criterion>`."""
 
 
 def query_keywords(query: str) -> set[str]:

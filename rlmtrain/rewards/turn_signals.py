@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from rlmtrain.config import Config
 from rlmtrain.rewards.chat_client import ChatClient
 from rlmtrain.rewards.step_rubric import (
+    STEP_CRITERIA,
     StepRubricJudge,
     StepRubricWeights,
     StepScore,
@@ -23,15 +24,13 @@ from rlmtrain.rewards.step_rubric import (
 from rlmtrain.rewards.tool_credit import ToolCreditJudge, rule_credit
 from rlmtrain.rlm.records import RolloutGroup
 
-__all__ = ["STEP_CRITERIA", "TurnSignals", "step_sums"]
-
-STEP_CRITERIA = ("relevance", "info_gain", "coherence")
-"""The step rubric's criteria, each logged per RL step as a mean over every turn."""
+__all__ = ["TurnSignals", "step_totals"]
 
 
 class TurnSignals:
     """Tool credit (when `algo.tool_credit_alpha > 0`) and step rewards (unless
-    `algo.step_rewards` is off) of one step's groups; `counts` holds what the judges did."""
+    `algo.step_rewards` is off) of one step's groups, and the step's metrics of both: each rank
+    gives `local_sums`, and `row` turns their sum over ranks into the metrics row's entries."""
 
     def __init__(self, cfg: Config):
         algo = cfg.algo
@@ -98,19 +97,43 @@ class TurnSignals:
                     self.counts["step_judge_fallbacks"] += judged.method != "judge"
         return scores
 
+    def local_sums(self, step_scores: dict[str, list[StepScore]] | None) -> list[float]:
+        """This rank's numbers for an all-reduce: over every turn the sum of each criterion and
+        of the combined step reward, and the number of turns (all zero when step rewards are
+        off); then the judges' counts. The same length on every rank of one config."""
+        sums = [0.0] * (len(STEP_CRITERIA) + 2)
+        for turns in (step_scores or {}).values():
+            for score in turns:
+                for i, name in enumerate(STEP_CRITERIA):
+                    sums[i] += getattr(score, name)
+                sums[-2] += score.total
+                sums[-1] += 1
+        return [*sums, *self.counts.values()]
+
+    def row(self, summed: Sequence[float]) -> dict[str, float | int]:
+        """Metrics from `local_sums` added over ranks: `step_<criterion>` and `step_reward`
+        means over every turn (when step rewards are on) and the judges' counts; the counts
+        then start again for the next step."""
+        width = len(STEP_CRITERIA) + 2
+        *sums, turns = summed[:width]
+        row: dict[str, float | int] = {}
+        if self.steps_on:
+            names = (*STEP_CRITERIA, "reward")
+            row |= {
+                f"step_{n}": total / max(1, turns) for n, total in zip(names, sums, strict=True)
+            }
+        row |= {key: int(v) for key, v in zip(self.counts, summed[width:], strict=True)}
+        self.reset_counts()
+        return row
+
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
 
 
-def step_sums(step_scores: dict[str, list[StepScore]] | None) -> list[float]:
-    """Sums over every turn of each criterion and of the combined step reward, then the number
-    of turns (all zero when step rewards are off): what an all-reduce adds across ranks."""
-    sums = [0.0] * (len(STEP_CRITERIA) + 2)
-    for turns in (step_scores or {}).values():
-        for score in turns:
-            for i, name in enumerate(STEP_CRITERIA):
-                sums[i] += getattr(score, name)
-            sums[-2] += score.total
-            sums[-1] += 1
-    return sums
+def step_totals(step_scores: dict[str, list[StepScore]] | None) -> dict[str, list[float]] | None:
+    """Each turn's combined step reward, by trajectory id: `compute_advantages`'s
+    `step_rewards`."""
+    if step_scores is None:
+        return None
+    return {traj: [score.total for score in turns] for traj, turns in step_scores.items()}
