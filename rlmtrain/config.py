@@ -103,13 +103,18 @@ class DataConfig(_Section):
         str, _doc("held-out evaluation tasks; empty = synthesised into run_dir/data/eval")
     ] = ""
     synth_groups: Annotated[
-        int, _doc("paper groups synthesised for RL when train_path is empty", ge=1)
+        int,
+        _doc(
+            "groups synthesised for RL when train_path is empty (evidence: paper groups; "
+            "codenav: packages; booknav: problems)",
+            ge=1,
+        ),
     ] = 8
     sft_groups: Annotated[
-        int, _doc("paper groups synthesised for SFT when sft_path and train_path are empty", ge=1)
+        int, _doc("groups synthesised for SFT when sft_path and train_path are empty", ge=1)
     ] = 4
     eval_groups: Annotated[
-        int, _doc("paper groups synthesised for held-out evaluation when eval_path is empty", ge=1)
+        int, _doc("groups synthesised for held-out evaluation when eval_path is empty", ge=1)
     ] = 4
     synth_max_papers: Annotated[
         int, _doc("most papers in a synthesised group (multi-paper tasks need >= 2)", ge=1, le=10)

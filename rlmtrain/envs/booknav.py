@@ -18,7 +18,9 @@ teachers and the CPU smoke runs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +132,21 @@ class BookNavEnv(Env):
     def load_tasks(self, path: str | Path) -> list[BookTask]:
         return read_tasks_beside(path, BookTask, "book")
 
+    def synthesize(self, out_dir: Path, *, groups: int, first_group: int, config: Config) -> Path:
+        """The synthetic textbook and one problem per group (`synthetic_problems`)."""
+        return write_synthetic(out_dir, groups, config.data.seed, first=first_group)
+
+    def vocabulary_texts(self, tasks: list[BookTask]) -> list[str]:
+        """The base texts, the book of every task and the teacher's code for every task."""
+        from rlmtrain.envs.booknav_teacher import plan
+
+        texts = super().vocabulary_texts(tasks)
+        for book in dict.fromkeys(str(Path(task.book).resolve()) for task in tasks):
+            texts += [section.text for section in read_book(book).sections]
+        for task in tasks:
+            texts += plan(task.query)
+        return texts
+
     async def reward(self, task: BookTask, group: RolloutGroup) -> RewardResult:
         verdicts = await asyncio.gather(
             *(
@@ -234,8 +251,7 @@ def synthetic_book() -> Book:
     )
 
 
-def _difference_of_powers(rng: random.Random) -> tuple[str, str, list[str], str]:
-    a = rng.randint(3, 12)
+def _difference_of_powers(a: int) -> tuple[str, str, list[str], str]:
     return (
         f"Prove that {a - 1} divides {a}^n - 1 for every integer n >= 1.",
         f"By the difference-of-powers factorisation (Theorem 2.1) with b = 1, "
@@ -246,8 +262,7 @@ def _difference_of_powers(rng: random.Random) -> tuple[str, str, list[str], str]
     )
 
 
-def _consecutive_product(rng: random.Random) -> tuple[str, str, list[str], str]:
-    c = rng.randint(1, 9)
+def _consecutive_product(c: int) -> tuple[str, str, list[str], str]:
     return (
         f"Prove that (n + {c})(n + {c + 1}) is even for every integer n.",
         f"The numbers n + {c} and n + {c + 1} are two consecutive integers, so by Lemma 2.3 "
@@ -257,8 +272,7 @@ def _consecutive_product(rng: random.Random) -> tuple[str, str, list[str], str]:
     )
 
 
-def _linear_combination(rng: random.Random) -> tuple[str, str, list[str], str]:
-    d, m, n = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 9)
+def _linear_combination(d: int, m: int, n: int) -> tuple[str, str, list[str], str]:
     return (
         f"Prove that if {d} divides a and {d} divides b, then {d} divides {m}a + {n}b.",
         f"Write a = {d}s and b = {d}t with integers s, t (Lemma 1.2). Then "
@@ -268,8 +282,7 @@ def _linear_combination(rng: random.Random) -> tuple[str, str, list[str], str]:
     )
 
 
-def _coprime_neighbours(rng: random.Random) -> tuple[str, str, list[str], str]:
-    c = rng.randint(1, 20)
+def _coprime_neighbours(c: int) -> tuple[str, str, list[str], str]:
     return (
         f"Prove that gcd(n + {c}, n + {c + 1}) = 1 for every integer n.",
         f"A common divisor d of n + {c} and n + {c + 1} divides their difference "
@@ -279,10 +292,7 @@ def _coprime_neighbours(rng: random.Random) -> tuple[str, str, list[str], str]:
     )
 
 
-def _congruent_powers(rng: random.Random) -> tuple[str, str, list[str], str]:
-    m = rng.randint(3, 9)
-    r = rng.randint(1, m - 1)
-    x = m * rng.randint(1, 5) + r
+def _congruent_powers(m: int, r: int, x: int) -> tuple[str, str, list[str], str]:
     return (
         f"Prove that {x}^k ≡ {r}^k (mod {m}) for every integer k >= 1.",
         f"Since {x} - {r} = {x - r} is divisible by {m}, {x} ≡ {r} (mod {m}); by Lemma 1.3 on "
@@ -292,21 +302,48 @@ def _congruent_powers(rng: random.Random) -> tuple[str, str, list[str], str]:
     )
 
 
-_FAMILIES = [
-    _difference_of_powers,
-    _consecutive_product,
-    _linear_combination,
-    _coprime_neighbours,
-    _congruent_powers,
+_DIGITS = range(2, 10)
+
+_FAMILIES: list[tuple[Callable[..., tuple[str, str, list[str], str]], list[tuple[int, ...]]]] = [
+    (_difference_of_powers, [(a,) for a in range(3, 203)]),
+    (_consecutive_product, [(c,) for c in range(1, 201)]),
+    (
+        _linear_combination,
+        [(d, m, n) for d in range(2, 10) for m in range(2, 10) for n in range(2, 10)],
+    ),
+    (_coprime_neighbours, [(c,) for c in range(1, 201)]),
+    (
+        _congruent_powers,
+        [(m, r, m * q + r) for m in range(3, 10) for r in range(1, m) for q in range(1, 6)],
+    ),
 ]
+"""Each family with its space of numbers; problem i is of family i mod 5."""
+
+DISTINCT_PROBLEMS = len(_FAMILIES) * min(len(space) for _, space in _FAMILIES)
+"""Problems 0 .. DISTINCT_PROBLEMS - 1 are all different (then they repeat)."""
 
 
-def synthetic_problems(n: int, seed: int = 0, book: str = "book.json") -> list[BookTask]:
-    """`n` problems cycling through the five families, numbers drawn from `seed`."""
-    rng = random.Random(seed)
+@functools.cache
+def _order(seed: int, family: int) -> list[int]:
+    """A seeded permutation of the family's number space: the k-th problem of a family takes
+    the k-th numbers of it, so different indices never ask the same question."""
+    space = len(_FAMILIES[family][1])
+    return random.Random(f"booknav-{seed}-{family}").sample(range(space), space)
+
+
+def synthetic_problems(
+    n: int, seed: int = 0, book: str = "book.json", first: int = 0
+) -> list[BookTask]:
+    """Problems first .. first + n - 1, cycling through the five families with numbers drawn
+    from `seed`; disjoint index ranges share no problem (below `DISTINCT_PROBLEMS`)."""
     tasks = []
-    for i in range(n):
-        query, reference, sections, keyword = _FAMILIES[i % len(_FAMILIES)](rng)
+    for i in range(first, first + n):
+        family = i % len(_FAMILIES)
+        make, space = _FAMILIES[family]
+        order = _order(seed, family)
+        query, reference, sections, keyword = make(
+            *space[order[(i // len(_FAMILIES)) % len(order)]]
+        )
         tasks.append(
             BookTask(
                 id=f"booknav-{seed}-{i}",
@@ -320,11 +357,12 @@ def synthetic_problems(n: int, seed: int = 0, book: str = "book.json") -> list[B
     return tasks
 
 
-def write_synthetic(directory: str | Path, n: int, seed: int = 0) -> Path:
-    """Write book.json and tasks.jsonl into `directory`; returns the task file's path."""
+def write_synthetic(directory: str | Path, n: int, seed: int = 0, first: int = 0) -> Path:
+    """Write book.json and tasks.jsonl (problems first .. first + n - 1) into `directory`;
+    returns the task file's path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "book.json").write_bytes(msgspec.json.encode(synthetic_book()))
     tasks_path = directory / "tasks.jsonl"
-    write_tasks(tasks_path, synthetic_problems(n, seed, book="book.json"))
+    write_tasks(tasks_path, synthetic_problems(n, seed, book="book.json", first=first))
     return tasks_path

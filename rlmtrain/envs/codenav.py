@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rlmtrain.config import Config
 from rlmtrain.envs.base import (
     Env,
@@ -26,6 +28,7 @@ from rlmtrain.envs.base import (
     read_tasks_beside,
     register_env,
     root_answers,
+    write_tasks,
 )
 from rlmtrain.envs.codenav_tools import CodeIndex, render_codebase
 from rlmtrain.rlm.records import RolloutGroup
@@ -52,6 +55,9 @@ class CodeTask(Task):
     answer: str
     """Gold position "path:line" of the call."""
 
+
+TASKS_PER_PACKAGE = 4
+"""Tasks a synthesised package yields (of the dozens it could)."""
 
 _POSITION = re.compile(r"[\w./\\-]+\.py:\d+")
 
@@ -95,9 +101,11 @@ def expert_answer(index: CodeIndex, caller_path: str, caller: str, callee: str) 
 
 
 def _query(caller: str, caller_path: str, callee: str) -> str:
+    # Names are quoted as Python writes them, each a word of its own: the code that answers
+    # writes them the same way, so the tokenizer splits both alike and answering is copying.
     return (
-        f"Where does the function `{caller}` (defined in {caller_path}) call `{callee}`? "
-        "Answer with the position of the call as path:line."
+        f"Where does the function {caller!r} of the file {caller_path!r} call {callee!r} in "
+        "its body? Answer with the position of the call as path:line."
     )
 
 
@@ -171,6 +179,38 @@ class CodeNavEnv(Env):
 
     def load_tasks(self, path: str | Path) -> list[CodeTask]:
         return read_tasks_beside(path, CodeTask, "codebase")
+
+    def synthesize(self, out_dir: Path, *, groups: int, first_group: int, config: Config) -> Path:
+        """One synthetic package per group (`codenav_synth`) under `out_dir/code`, and
+        `TASKS_PER_PACKAGE` tasks drawn from each."""
+        from rlmtrain.envs.codenav_synth import write_packages
+
+        seed = config.data.seed
+        tasks = []
+        span = range(first_group, first_group + groups)
+        for group, package in zip(span, write_packages(out_dir / "code", seed, span), strict=True):
+            drawn = generate_tasks(
+                package, n=TASKS_PER_PACKAGE, seed=seed, codebase=f"code/{package.name}"
+            )
+            tasks += [
+                msgspec.structs.replace(task, id=f"codenav-{seed}-{group}-{i}")
+                for i, task in enumerate(drawn)
+            ]
+        path = out_dir / "tasks.jsonl"
+        write_tasks(path, tasks)
+        return path
+
+    def vocabulary_texts(self, tasks: list[CodeTask]) -> list[str]:
+        """The base texts, the tasks' code bases as the REPL shows them and the teacher's code
+        for every task. The code is not weighted up as the evidence env's is: its names would
+        then merge into tokens of their own, which no held-out name shares."""
+        from rlmtrain.envs.codenav_teacher import plan
+
+        texts = super().vocabulary_texts(tasks)
+        texts += list(dict.fromkeys(self.context(task) for task in tasks))
+        for task in tasks:
+            texts += plan(task.query)
+        return texts
 
     async def reward(self, task: CodeTask, group: RolloutGroup) -> RewardResult:
         scores: list[float | None] = []

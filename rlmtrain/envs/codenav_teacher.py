@@ -1,8 +1,9 @@
 """A scripted code-navigation teacher: the AST-backed expert's moves as REPL code.
 
-The expert parses the question ("where does `A` (defined in P) call `B`?"), reads A's definition,
-lists the calls of A's body, keeps those whose callee is written `B`, and answers with the
-position: three turns, played through the real scheduler like every teacher (`teacher.py`).
+The expert cuts the three names out of the REPL's `query` ("where does the function 'A' of the
+file 'P' call 'B'?", names quoted), reads A's definition, lists the calls of A's body, keeps those
+whose callee is written B, and answers with the position: three turns whose code is the same for
+every question (what differs is in the REPL, not in the code), played through the real scheduler like every teacher (`teacher.py`).
 `list_calls` is the same AST index the gold answers come from, so the plan is exact wherever the
 task generator would ask; a question in any other form raises ValueError.
 """
@@ -21,8 +22,8 @@ from rlmtrain.rlm.records import RolloutGroup
 __all__ = ["parse_question", "plan", "teach"]
 
 _QUESTION = re.compile(
-    r"Where does the function `(?P<caller>[^`]+)` \(defined in (?P<path>[^)\s]+)\) "
-    r"call `(?P<callee>[^`]+)`\?"
+    r"Where does the function '(?P<caller>[^']+)' of the file '(?P<path>[^']+)' "
+    r"call '(?P<callee>[^']+)' in its body\?"
 )
 
 
@@ -36,12 +37,12 @@ def parse_question(query: str) -> tuple[str, str, str]:
 
 def plan(query: str) -> list[str]:
     """The expert's code, one string per turn."""
-    path, caller, callee = parse_question(query)
-    target = f"{path}:{caller}"
+    parse_question(query)
     return [
-        f"where = goto_definition({target!r})",
-        f"calls = list_calls({target!r})\n"
-        f"hits = [position for name, position in calls if name == {callee!r}]\n"
+        "caller, path, callee = query.split(\"'\")[1:6:2]\n"
+        "where = goto_definition(path + ':' + caller)",
+        "calls = list_calls(path + ':' + caller)\n"
+        "hits = [position for name, position in calls if name == callee]\n"
         "print(hits)",
         "FINAL(hits[0])",
     ]
