@@ -3,7 +3,8 @@
 The expert cuts the three names out of the REPL's `query` ("where does the function 'A' of the
 file 'P' call 'B'?", names quoted), reads A's definition, lists the calls of A's body, keeps those
 whose callee is written B, and answers with the position: three turns whose code is the same for
-every question (what differs is in the REPL, not in the code), played through the real scheduler like every teacher (`teacher.py`).
+every question (what differs is in the REPL, not in the code), played through the real scheduler
+like every teacher (`teacher.py`).
 `list_calls` is the same AST index the gold answers come from, so the plan is exact wherever the
 task generator would ask; a question in any other form raises ValueError.
 """
@@ -39,7 +40,7 @@ def plan(query: str) -> list[str]:
     """The expert's code, one string per turn."""
     parse_question(query)
     return [
-        "caller, path, callee = query.split(\"'\")[1:6:2]\n"
+        'caller, path, callee = query.split("\'")[1:6:2]\n'
         "where = goto_definition(path + ':' + caller)",
         "calls = list_calls(path + ':' + caller)\n"
         "hits = [position for name, position in calls if name == callee]\n"
