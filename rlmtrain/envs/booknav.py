@@ -141,8 +141,9 @@ class BookNavEnv(Env):
         from rlmtrain.envs.booknav_teacher import plan
 
         texts = super().vocabulary_texts(tasks)
-        for book in dict.fromkeys(str(Path(task.book).resolve()) for task in tasks):
-            texts += [section.text for section in read_book(book).sections]
+        books = {str(Path(task.book).resolve()): task for task in tasks}
+        for task in books.values():
+            texts += [section["text"] for section in self.context(task)["sections"]]
         for task in tasks:
             texts += plan(task.query)
         return texts
@@ -309,7 +310,7 @@ _FAMILIES: list[tuple[Callable[..., tuple[str, str, list[str], str]], list[tuple
     (_consecutive_product, [(c,) for c in range(1, 201)]),
     (
         _linear_combination,
-        [(d, m, n) for d in range(2, 10) for m in range(2, 10) for n in range(2, 10)],
+        [(d, m, n) for d in _DIGITS for m in _DIGITS for n in _DIGITS],
     ),
     (_coprime_neighbours, [(c,) for c in range(1, 201)]),
     (
@@ -340,10 +341,8 @@ def synthetic_problems(
     for i in range(first, first + n):
         family = i % len(_FAMILIES)
         make, space = _FAMILIES[family]
-        order = _order(seed, family)
-        query, reference, sections, keyword = make(
-            *space[order[(i // len(_FAMILIES)) % len(order)]]
-        )
+        numbers = space[_order(seed, family)[(i // len(_FAMILIES)) % len(space)]]
+        query, reference, sections, keyword = make(*numbers)
         tasks.append(
             BookTask(
                 id=f"booknav-{seed}-{i}",

@@ -101,8 +101,8 @@ def expert_answer(index: CodeIndex, caller_path: str, caller: str, callee: str) 
 
 
 def _query(caller: str, caller_path: str, callee: str) -> str:
-    # Names are quoted as Python writes them, each a word of its own: the code that answers
-    # writes them the same way, so the tokenizer splits both alike and answering is copying.
+    # Names are quoted as Python writes them, each a word of its own: code can cut them out of
+    # the REPL's `query` at the quotes, and the tokenizer splits them as it splits them in code.
     return (
         f"Where does the function {caller!r} of the file {caller_path!r} call {callee!r} in "
         "its body? Answer with the position of the call as path:line."
@@ -202,8 +202,8 @@ class CodeNavEnv(Env):
 
     def vocabulary_texts(self, tasks: list[CodeTask]) -> list[str]:
         """The base texts, the tasks' code bases as the REPL shows them and the teacher's code
-        for every task. The code is not weighted up as the evidence env's is: its names would
-        then merge into tokens of their own, which no held-out name shares."""
+        once per task (it is the same for every task and names nothing of it, so counting it
+        per task weights it up without giving any task's names tokens of their own)."""
         from rlmtrain.envs.codenav_teacher import plan
 
         texts = super().vocabulary_texts(tasks)
