@@ -114,8 +114,11 @@ def _run(config: Config, checkpoint: Path) -> dict[str, Any]:
 
     from rlmtrain.envs.base import get_env
     from rlmtrain.evaluation import evaluate
+    from rlmtrain.rewards.chat_client import check_served
 
     _check_folder(checkpoint)  # cheap; before the task files are read
+    if config.judge.base_url:
+        check_served(config.judge)
     env = get_env(config.data.env, config)
     path = heldout_path(config)
     try:

@@ -74,6 +74,7 @@ from rlmtrain.model.bpe import BPE_FILES, tokenizer_files, train_bpe, trained_to
 from rlmtrain.model.hf import hf_named
 from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
 from rlmtrain.optim import build_optimizer, lr_at, set_lr
+from rlmtrain.rewards.chat_client import check_served
 from rlmtrain.rewards.exploration import (
     beta_schedule,
     diversity_bonus,
@@ -111,6 +112,8 @@ def main(cfg: Config) -> int:
 
 async def _train(cfg: Config, world: parallel.World, device: torch.device) -> int:
     began = time.perf_counter()
+    if cfg.judge.base_url:
+        check_served(cfg.judge)  # before the run writes anything
     run_dir = Path(cfg.checkpoint.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resume_from = _resume_point(cfg, run_dir)

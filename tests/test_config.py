@@ -1,5 +1,6 @@
 """Config loading, overrides, and the CLI's one-line errors (exit 2) through a real subprocess."""
 
+import socket
 import subprocess
 import sys
 import tomllib
@@ -175,3 +176,19 @@ def test_agent_and_repl_limits_default_to_the_config():
     assert AgentLimits() == AgentLimits.from_config(rollout)
     assert ReplLimits() == ReplLimits.from_config(rollout)
     assert SamplingParams().max_new_tokens == rollout.max_new_tokens
+
+
+def test_train_without_its_judge_served_stops_in_one_line(tmp_path):
+    """booknav-cpu needs the judge README's "Serving a judge" starts; with nothing at its URL the
+    run stops before any work, naming the key, instead of spending every request's retries."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    result = run_cli(
+        *("train", "--config", "configs/booknav-cpu.toml", f"--checkpoint.dir={tmp_path}"),
+        f"--judge.base_url=http://127.0.0.1:{port}/v1",
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "judge.base_url: nothing answers at" in lines[0], result.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -20,7 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored
+from rlmtrain.config import ConfigError
+from rlmtrain.rewards.chat_client import ChatClient, JudgeConfig, Unscored, check_served
 from rlmtrain.rewards.judge import RubricJudge, RubricReply
 from rlmtrain.rewards.span_f1 import span_f1
 
@@ -38,6 +39,8 @@ class JudgeServer:
         self.handlers: dict[str, Callable[[int, dict], tuple[int, bytes]]] = {}
         """Extra cases that read the request: name -> f(nth, request json) -> (status, body)."""
         self.bodies: list[dict] = []
+        self.models: list[str] | None = None
+        """What GET /v1/models lists; None = 404, as a server without the listing answers."""
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,6 +48,12 @@ class JudgeServer:
 
             def log_message(self, *args):
                 pass
+
+            def do_GET(self):
+                if server.models is None or self.path != "/v1/models":
+                    return server.reply(self, 404, b'{"error": "not found"}')
+                listing = {"object": "list", "data": [{"id": m} for m in server.models]}
+                server.reply(self, 200, json.dumps(listing).encode())
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -249,7 +258,7 @@ def test_repeat_is_a_cache_hit_without_a_request(server):
 
 
 def test_disk_cache_survives_a_new_client(server, tmp_path):
-    path = tmp_path / "judge_cache.jsonl"
+    path = tmp_path / "not-yet" / "judge_cache.jsonl"  # its folder is made on the first reply
     run(make_judge(server, cache_path=str(path)).score("case:good q", TRUTH, "p"))
     again = make_judge(server, cache_path=str(path))
     result = run(again.score("case:good q", TRUTH, "p"))
@@ -457,3 +466,16 @@ def test_a_reply_nested_too_deeply_is_malformed_not_a_crash(server):
     server.cases["deep"] = lambda nth: (200, completion(deep if nth == 1 else json.dumps(GOOD)))
     result = run(make_judge(server).score("case:deep q", TRUTH, "p"))
     assert result.method == "judge" and server.count("deep") == 2
+
+
+def test_a_run_checks_its_judge_is_served_before_leaning_on_it(server):
+    config = JudgeConfig(base_url=server.url, model="test-judge")
+    check_served(config)  # no listing (404): taken at its word
+    server.models = ["test-judge", "other"]
+    check_served(config)
+    server.models = ["other"]
+    with pytest.raises(ConfigError, match=r"judge\.model: 'test-judge' is not served .*'other'"):
+        check_served(config)
+    server.__exit__()
+    with pytest.raises(ConfigError, match=r"judge\.base_url: nothing answers at .*Serving a judge"):
+        check_served(config, timeout_s=2.0)

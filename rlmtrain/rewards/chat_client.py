@@ -42,9 +42,16 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 
-from rlmtrain.config import JudgeConfig
+from rlmtrain.config import ConfigError, JudgeConfig
 
-__all__ = ["ChatClient", "ChatStats", "JudgeConfig", "Unscored", "extract_json_object"]
+__all__ = [
+    "ChatClient",
+    "ChatStats",
+    "JudgeConfig",
+    "Unscored",
+    "check_served",
+    "extract_json_object",
+]
 
 T = TypeVar("T")
 
@@ -179,6 +186,7 @@ class ChatClient:
     def _remember(self, key: str, content: str) -> None:
         self._cache[key] = content
         if self._cache_file is not None:
+            self._cache_file.parent.mkdir(parents=True, exist_ok=True)
             with open(self._cache_file, "ab") as f:
                 f.write(msgspec.json.encode(_CacheLine(key, content)) + b"\n")
 
@@ -356,6 +364,45 @@ class ChatClient:
         if retry_after_s is not None:
             delay = max(delay, min(retry_after_s, c.backoff_max_s))
         return delay
+
+
+class _ModelList(msgspec.Struct):
+    data: list[dict[str, Any]]
+
+
+def check_served(config: JudgeConfig, timeout_s: float = 10.0) -> None:
+    """Before a run leans on the judge: its server answers `GET <base_url>/models` and serves
+    `judge.model`, or a ConfigError names the key to fix. A run would otherwise find out only after
+    every request of its first batch had spent its retries. A server without the listing (404, or
+    a body that is not one) is taken at its word."""
+    url = config.base_url.rstrip("/") + "/models"
+    headers = {}
+    if config.api_key_env and os.environ.get(config.api_key_env):
+        headers["Authorization"] = f"Bearer {os.environ[config.api_key_env]}"
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout_s, trust_env=True)
+    except httpx.HTTPError as exc:
+        raise ConfigError(
+            f"judge.base_url: nothing answers at {config.base_url} ({type(exc).__name__}: {exc}); "
+            "start the judge's server first (README: Serving a judge)"
+        ) from None
+    if response.status_code in (401, 403):
+        raise ConfigError(
+            f"judge.api_key_env: {url} refused the request (HTTP {response.status_code})"
+        )
+    if response.status_code != 200:
+        return
+    try:
+        served = [
+            str(m.get("id")) for m in msgspec.json.decode(response.content, type=_ModelList).data
+        ]
+    except msgspec.DecodeError:
+        return
+    if config.model not in served:
+        raise ConfigError(
+            f"judge.model: {config.model!r} is not served at {config.base_url} "
+            f"(it serves {', '.join(map(repr, served)) or 'nothing'})"
+        )
 
 
 def _decode(content: str, reply_type: type[T], check: Callable[[T], None] | None) -> T:
