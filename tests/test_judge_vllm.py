@@ -6,7 +6,8 @@ noise, so every reply that scores does so because the server decoded to the JSON
 client sent (`judge.response_format = "json_schema"`): integers within 1-10, a bounded reason.
 The server's whitespace is turned off (`disable_any_whitespace`): under a schema, a random model
 would otherwise fill max_tokens with it. The same server then judges a codenav RL step's tool
-credit and step rubric through the trainer (`algo.tool_credit = algo.step_rewards = "judge"`).
+credit and step rubric through the trainer (`algo.tool_credit = algo.step_rewards = "judge"`),
+and `configs/booknav-cpu.toml`'s SFT filter, proof rewards and turn judges.
 """
 
 from __future__ import annotations
@@ -128,6 +129,26 @@ SHOP = {
 }
 
 
+def _train(config: str, run: Path, *overrides: str) -> dict:
+    """`rlmtrain train --config config` into `run`, one RL step; that step's metrics row."""
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "rlmtrain.cli", "train", "--config", config),
+            *(f"--checkpoint.dir={run}", "--train.steps=1", "--eval.every=0"),
+            *("--rollout.n_samples=2", "--judge.max_retries=0", "--logging.progress=false"),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (rl,) = [r for r in rows if r["phase"] == "rl"]
+    return rl
+
+
 def test_an_rl_step_with_the_judged_tool_credit_and_step_rubric(judge_url, tmp_path):
     """One RL step of codenav whose tool credit and step rubric come from the server: every
     trajectory with turns asks each judge once, counted, and each reply decodes to the schema."""
@@ -139,28 +160,17 @@ def test_an_rl_step_with_the_judged_tool_credit_and_step_rubric(judge_url, tmp_p
         (tmp_path / name).write_text(source)
     tasks = tmp_path / "tasks.jsonl"
     write_tasks(tasks, generate_tasks(tmp_path / "shop", n=1, seed=0))
-    run = tmp_path / "run"
-    result = subprocess.run(
-        [
-            *(sys.executable, "-m", "rlmtrain.cli", "train", "--config", "configs/tiny-cpu.toml"),
-            *("--data.env=codenav", f"--data.train_path={tasks}", f"--checkpoint.dir={run}"),
-            *("--train.sft_steps=0", "--train.steps=1", "--rollout.n_samples=2"),
-            *("--rollout.max_turns=2", "--rollout.max_new_tokens=64", "--eval.every=0"),
-            *("--model.tokenizer=byte", "--rollout.prompt_style=full"),
-            *("--rollout.max_prompt_tokens=12288", "--algo.micro_batch_tokens=12544"),
-            *("--algo.tool_credit_alpha=0.5", "--algo.tool_credit=judge"),
-            *("--algo.step_rewards=judge", f"--judge.base_url={judge_url}"),
-            *("--judge.max_tokens=256", "--judge.max_retries=0", "--judge.timeout_s=120"),
-            "--logging.progress=false",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-        timeout=600,
+    rl = _train(
+        "configs/tiny-cpu.toml",
+        tmp_path / "run",
+        *("--data.env=codenav", f"--data.train_path={tasks}", "--train.sft_steps=0"),
+        *("--rollout.max_turns=2", "--rollout.max_new_tokens=64"),
+        *("--model.tokenizer=byte", "--rollout.prompt_style=full"),
+        *("--rollout.max_prompt_tokens=12288", "--algo.micro_batch_tokens=12544"),
+        *("--algo.tool_credit_alpha=0.5", "--algo.tool_credit=judge"),
+        *("--algo.step_rewards=judge", f"--judge.base_url={judge_url}"),
+        *("--judge.max_tokens=256", "--judge.timeout_s=120"),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    (rl,) = [r for r in rows if r["phase"] == "rl"]
     assert rl["roots_unscored"] == 0  # codenav's reward is verifiable
     asked = rl["credit_judge_calls"]
     assert asked >= 2 and rl["step_judge_calls"] == asked  # G = 2 roots at least, each once
@@ -168,3 +178,26 @@ def test_an_rl_step_with_the_judged_tool_credit_and_step_rubric(judge_url, tmp_p
     # judge every trajectory: none falls back on the rules.
     assert rl["credit_judge_fallbacks"] == 0 and rl["step_judge_fallbacks"] == 0, rl
     assert all(0 <= rl[f"step_{c}"] <= 1 for c in ("relevance", "coherence"))
+
+
+def test_booknav_config_runs_sft_and_an_rl_step_against_the_served_judge(judge_url, tmp_path):
+    """`configs/booknav-cpu.toml` as shipped, pointed at the server and cut to a few tasks: the
+    teacher's trees are graded by the proof judge (a random judge passes some), then an RL step
+    whose rewards, tool credit and (switched on here) step rubric the server gives. Every root is
+    scored or counted unscored, and each turn judge is asked once per trajectory with turns."""
+    run = tmp_path / "run"
+    rl = _train(
+        "configs/booknav-cpu.toml",
+        run,
+        *(f"--judge.base_url={judge_url}", "--judge.cache_path=", "--algo.step_rewards=judge"),
+        *("--data.sft_groups=8", "--data.synth_groups=2", "--train.sft_steps=2"),
+        *("--train.tasks_per_step=2", "--logging.sample_trees=8"),
+    )
+    roots = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    roots = [r for r in roots if r["phase"] == "rl"]
+    assert len(roots) == 4 == sum(rl["finish_reasons"].values())
+    assert rl["roots_unscored"] == sum(r["score"] is None for r in roots)
+    assert all(r["score"] is None or r["score"] in (-1.0, 1.0) for r in roots)
+    with_turns = sum(bool(r["trajectories"][0]["turns"]) for r in roots)
+    assert rl["credit_judge_calls"] == with_turns == rl["step_judge_calls"]
+    assert rl["credit_judge_fallbacks"] <= with_turns and rl["step_judge_fallbacks"] <= with_turns
