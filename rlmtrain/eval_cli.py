@@ -117,8 +117,7 @@ def _run(config: Config, checkpoint: Path) -> dict[str, Any]:
     from rlmtrain.rewards.chat_client import check_served
 
     _check_folder(checkpoint)  # cheap; before the task files are read
-    if config.judge.base_url:
-        check_served(config.judge)
+    check_served(config.judge)
     env = get_env(config.data.env, config)
     path = heldout_path(config)
     try:

@@ -112,8 +112,7 @@ def main(cfg: Config) -> int:
 
 async def _train(cfg: Config, world: parallel.World, device: torch.device) -> int:
     began = time.perf_counter()
-    if cfg.judge.base_url:
-        check_served(cfg.judge)  # before the run writes anything
+    check_served(cfg.judge)  # before the run writes anything
     run_dir = Path(cfg.checkpoint.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     resume_from = _resume_point(cfg, run_dir)

@@ -152,15 +152,7 @@ class ChatClient:
                 f"judge.base_url must be an http:// or https:// URL, got {config.base_url!r}"
             )
         self.url = config.base_url.rstrip("/") + "/chat/completions"
-        self._headers: dict[str, str] = {}
-        if config.api_key_env:
-            key = os.environ.get(config.api_key_env)
-            if not key:
-                raise ValueError(
-                    f"judge: environment variable {config.api_key_env!r} (judge.api_key_env) "
-                    "is not set"
-                )
-            self._headers["Authorization"] = f"Bearer {key}"
+        self._headers = _auth_headers(config)
         self.stats = ChatStats()
         self._rng = random.Random(seed)
         self._cache: dict[str, str] = {}
@@ -370,15 +362,30 @@ class _ModelList(msgspec.Struct):
     data: list[dict[str, Any]]
 
 
+def _auth_headers(config: JudgeConfig) -> dict[str, str]:
+    """The bearer key named by `judge.api_key_env`, if any; ValueError when it is not set."""
+    if not config.api_key_env:
+        return {}
+    key = os.environ.get(config.api_key_env)
+    if not key:
+        raise ValueError(
+            f"judge: environment variable {config.api_key_env!r} (judge.api_key_env) is not set"
+        )
+    return {"Authorization": f"Bearer {key}"}
+
+
 def check_served(config: JudgeConfig, timeout_s: float = 10.0) -> None:
-    """Before a run leans on the judge: its server answers `GET <base_url>/models` and serves
-    `judge.model`, or a ConfigError names the key to fix. A run would otherwise find out only after
-    every request of its first batch had spent its retries. A server without the listing (404, or
-    a body that is not one) is taken at its word."""
+    """Before a run leans on the judge (when `judge.base_url` names one): its server answers
+    `GET <base_url>/models` and serves `judge.model`, or a ConfigError names the key to fix. A run
+    would otherwise find out only after every request of its first batch had spent its retries. A
+    server without the listing (404, or a body that is not one) is taken at its word."""
+    if not config.base_url:
+        return
     url = config.base_url.rstrip("/") + "/models"
-    headers = {}
-    if config.api_key_env and os.environ.get(config.api_key_env):
-        headers["Authorization"] = f"Bearer {os.environ[config.api_key_env]}"
+    try:
+        headers = _auth_headers(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         response = httpx.get(url, headers=headers, timeout=timeout_s, trust_env=True)
     except httpx.HTTPError as exc:
