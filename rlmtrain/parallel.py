@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from rlmtrain.devices import resolve_device
 
@@ -110,6 +112,20 @@ def shard(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dty
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole, on every rank (a collective: all ranks call it together)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole parameter), one parameter at a time in the module's own order.
+
+    A sharded parameter is gathered (`full_tensor`, a collective) only when the consumer asks
+    for the next one, so the ranks gather in lockstep as long as each consumes the whole
+    sequence, which the same order on every rank makes safe. A weight sync that streams it
+    into buckets holds one bucket of whole weights at a time, where `full_state` would hold
+    the whole model on every rank.
+    """
+    for name, parameter in model.named_parameters():
+        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        yield name, whole.detach()
 
 
 # The collectives below are the identity in a world of one, with or without a process group,

@@ -291,7 +291,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class _EngineSync:
     """Sends the policy's weights to the engine when they changed since the last send: every
-    rank gathers the whole state from the shards (a collective) and updates its own engine."""
+    rank streams the parameters, each gathered whole from the shards as its engine takes it
+    (`parallel.full_parameters`, the ranks in lockstep), into its own engine."""
 
     def __init__(self, engine: Engine, model: torch.nn.Module) -> None:
         self._engine = engine
@@ -303,7 +304,7 @@ class _EngineSync:
 
     async def __call__(self) -> None:
         if not self._current:
-            await self._engine.update_weights(hf_named(parallel.full_state(self._model)))
+            await self._engine.update_weights(hf_named(parallel.full_parameters(self._model)))
             self._current = True
 
 

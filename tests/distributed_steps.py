@@ -12,6 +12,7 @@ samples however they are dealt. `tests/test_distributed.py` runs it and compares
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 
 import msgspec
@@ -24,6 +25,7 @@ from rlmtrain.kernels import fused_linear_logprob
 from rlmtrain.model import build_model
 from rlmtrain.optim import build_optimizer
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
+from rlmtrain.rollout.engines.native import NativeEngine
 
 PROMPT = list(b"<|im_start|>user\nname a colour<|im_end|>\n<|im_start|>assistant\n")
 
@@ -56,6 +58,21 @@ def fixed_samples(model, cfg: Config):
         rewards.append([float((i + g) % 3) for i in range(3)])
     advantages, _ = compute_advantages(groups, rewards, cfg.algo)
     return build_samples(groups, advantages, cfg.algo)
+
+
+async def _engine_receives(model, cfg: Config, state) -> bool:
+    """Whether this rank's own engine, synced as training syncs it (each parameter gathered
+    from the shards in lockstep as the engine takes it), holds `state` bit for bit."""
+    served_model = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
+    engine = NativeEngine(served_model, max_batch_size=1, kv_cache_tokens=64)
+    try:
+        await train._EngineSync(engine, model)()
+        served = dict(engine.model.named_parameters())
+        return served.keys() == state.keys() and all(
+            torch.equal(served[k], state[k]) for k in state
+        )
+    finally:
+        await engine.close()
 
 
 def main() -> None:
@@ -101,6 +118,7 @@ def main() -> None:
             )
             losses.append(row["loss"])
         state = parallel.full_state(model)
+        synced = parallel.all_gather(asyncio.run(_engine_receives(model, cfg, state)))
         if world.is_main:
             changed = sum(int((state[k] != initial[k]).sum()) for k in state)
             total = sum(v.numel() for v in state.values())
@@ -110,6 +128,7 @@ def main() -> None:
                 "losses": losses,
                 "changed_fraction": changed / total,
                 "dtypes": sorted({str(v.dtype) for v in state.values()}),
+                "engine_weights_equal": synced,
             }
             print(json.dumps(summary))
     finally:

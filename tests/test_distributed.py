@@ -2,7 +2,8 @@
 
 - the trainer's GRPO step on fixed rollouts gives the same master weights on two FSDP2 ranks
   (holding unequal numbers of samples) as in one process, with and without activation
-  checkpointing and a sharded KL reference (`tests/distributed_steps.py` does the steps);
+  checkpointing and a sharded KL reference (`tests/distributed_steps.py` does the steps), and
+  each rank's own engine, synced one gathered parameter at a time, then holds those weights;
 - bf16 compute keeps fp32 master weights, which a 1e-6 learning rate still moves;
 - the Hugging Face export, gathered from the shards, loads in transformers with our logits;
 - `torchrun --nproc_per_node 2 -m rlmtrain.train` and `python -m rlmtrain.train` run the
@@ -67,6 +68,7 @@ def test_two_fsdp2_ranks_compute_the_update_of_one_process(tmp_path, variant):
     assert pair["dtypes"] == ["torch.float32"]
     assert _max_diff(tmp_path / "one.pt", tmp_path / "two.pt") <= 1e-5
     assert alone["changed_fraction"] > 0.99  # the steps did move the weights
+    assert pair["engine_weights_equal"] == [True, True]
 
 
 def test_bf16_compute_moves_every_fp32_master_weight(tmp_path):

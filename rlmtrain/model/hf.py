@@ -72,12 +72,12 @@ def _our_name(hf_name: str) -> str | None:
 
 def named_hf_tensors(model: Transformer) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, detached parameter) for every parameter, embedding first."""
-    return hf_named(dict(model.named_parameters()))
+    return hf_named(model.named_parameters())
 
 
-def hf_named(state: Mapping[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
-    """(Hugging Face name, detached tensor) for a state dict in our parameter names."""
-    for name, tensor in state.items():
+def hf_named(named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """(Hugging Face name, detached tensor) for (our parameter name, tensor) pairs, lazily."""
+    for name, tensor in named:
         yield _hf_name(name), tensor.detach()
 
 
@@ -302,7 +302,7 @@ def save_hf(
     generation_config.json and `extra_files` (the tokenizer's) are copied in. The folder
     appears whole or not at all: written beside its place, then renamed into it."""
     directory = Path(directory)
-    named = hf_named(state) if state is not None else named_hf_tensors(model)
+    named = hf_named(state.items()) if state is not None else named_hf_tensors(model)
     tensors = [(name, t.to(dtype or t.dtype).contiguous().cpu()) for name, t in named]
     stored = tensors[0][1].dtype
     partial = directory.with_name(f".{directory.name}.partial")
