@@ -1,12 +1,15 @@
 """Killed and resumed, a run goes on exactly as if it had never stopped.
 
-At one rank and at two, on the default shortened to two tasks that SFT learns by heart, so that
-its RL steps score unevenly and make real GRPO updates, with truncated importance sampling on:
+At one rank and at two, on the default shortened to two tasks, starting from the tiny model that
+130 SFT steps taught them by heart (made once for the module and exported, tokenizer and all), so
+that its RL steps score unevenly and make real GRPO updates, with truncated importance sampling
+on:
 
 - an uninterrupted run A checkpoints every step;
 - run B, with every REPL exec delayed at random (`tests/perturbed_train.py`: requests reach the
   engine in another order and company), is SIGKILLed as a whole job during SFT, resumed with
-  `checkpoint.resume=true`, SIGKILLed again during RL step 3 and resumed again;
+  `checkpoint.resume=true` and a checkpoint every step where the first launch made one every
+  other step, SIGKILLed again during RL step 3 and resumed again;
 - at the end of SFT and at the end of RL the two agree bitwise: parameters, optimizer state,
   LR, step and the per-step curve. Each RL step plays both tasks, one whole pass, so the second
   resume lands on a data-pass boundary, where it must go on training.
@@ -54,7 +57,9 @@ def _launch(ranks: int, perturbed: bool) -> list[str]:
     ]  # fmt: skip
 
 
-SFT_STEPS, RL_STEPS = 130, 5
+# The runs compared go on from the memorised model: a few SFT steps (killed in the middle of
+# them), then RL steps each playing both tasks once.
+MEMORISING_STEPS, SFT_STEPS, RL_STEPS = 130, 8, 4
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,22 @@ def _args(run_dir: Path, tasks: Path, *extra: str) -> list[str]:
         "--rollout.n_samples=4", "--eval.every=0", "--logging.progress=false",
         "--logging.tensorboard=false", "--checkpoint.every=1", "--checkpoint.keep=20", *extra,
     ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def memorised(tmp_path_factory, two_tasks) -> tuple[str, ...]:
+    """The arguments that start a run from the tiny model after MEMORISING_STEPS SFT steps on
+    the two tasks: its exported folder, whose tokenizer the run then reads, and an SFT rate low
+    enough that a fresh optimizer's first steps do not undo what it learned."""
+    run = tmp_path_factory.mktemp("memorised")
+    args = _args(run, two_tasks, f"--train.sft_steps={MEMORISING_STEPS}", "--train.steps=0",
+                 "--checkpoint.every=0")  # fmt: skip
+    result = subprocess.run(
+        [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env=_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return f"--model.hf_dir={run / 'final'}", "--model.tokenizer=", "--train.sft_lr=1e-4"
 
 
 def _kill_job(pid: int) -> None:
@@ -142,10 +163,10 @@ def _rows(run: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, ranks):
+def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, memorised, ranks):
     uninterrupted, resumed = tmp_path / "a", tmp_path / "b"
     a = subprocess.run(
-        [*_launch(ranks, False), *_args(uninterrupted, two_tasks)],
+        [*_launch(ranks, False), *_args(uninterrupted, two_tasks, *memorised)],
         cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env(),
     )  # fmt: skip
     assert a.returncode == 0, a.stderr[-3000:]
@@ -156,9 +177,10 @@ def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, ranks):
     assert all(row["loss"] != 0 for row in rl if row["groups_kept"]), rl
 
     checkpoints = resumed / "checkpoints"
-    perturbed = [*_launch(ranks, True), *_args(resumed, two_tasks)]
-    _kill_when(perturbed, checkpoints / "sft-000060" / "COMPLETE")
+    perturbed = [*_launch(ranks, True), *_args(resumed, two_tasks, *memorised)]
+    _kill_when([*perturbed, "--checkpoint.every=2"], checkpoints / "sft-000004" / "COMPLETE")
     assert not (checkpoints / f"sft-{SFT_STEPS:06d}").exists()
+    assert not (checkpoints / "sft-000003").exists()  # every other step
     _kill_when([*perturbed, "--checkpoint.resume=true"], checkpoints / "rl-000002" / "COMPLETE")
     assert not (checkpoints / "rl-000003").exists()  # killed during step 3
     b = subprocess.run(
@@ -181,10 +203,11 @@ def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, ranks):
     ]
 
 
-def _one_checkpoint(tmp_path: Path, tasks: Path) -> Path:
-    """A run folder holding real checkpoints (a 1-step SFT run), one of which is damaged."""
-    run = tmp_path / "run"
-    args = _args(run, tasks, "--train.sft_steps=1", "--train.steps=0")
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory, two_tasks) -> Path:
+    """A run folder holding a real checkpoint: a 1-step SFT run."""
+    run = tmp_path_factory.mktemp("one-step") / "run"
+    args = _args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0")
     result = subprocess.run(
         [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
         env=_env(),
@@ -193,9 +216,14 @@ def _one_checkpoint(tmp_path: Path, tasks: Path) -> Path:
     return run
 
 
+def _one_checkpoint(tmp_path: Path, one_step_run: Path) -> Path:
+    """A copy of the 1-step run's folder for a test to damage or resume."""
+    return Path(shutil.copytree(one_step_run, tmp_path / "run"))
+
+
 @pytest.mark.parametrize("damage", ["truncated", "unmarked"])
-def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, two_tasks, damage):
-    run = _one_checkpoint(tmp_path, two_tasks)
+def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, two_tasks, one_step_run, damage):
+    run = _one_checkpoint(tmp_path, one_step_run)
     checkpoint = run / "checkpoints" / "sft-000001"
     if damage == "truncated":
         victim = max((p for p in (checkpoint / "state").iterdir()), key=lambda p: p.stat().st_size)
@@ -216,8 +244,8 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, two_tasks, damage
     shutil.rmtree(run)
 
 
-def test_a_resume_under_other_schedules_is_refused_in_one_line(tmp_path, two_tasks):
-    run = _one_checkpoint(tmp_path, two_tasks)
+def test_a_resume_under_other_schedules_is_refused_in_one_line(tmp_path, two_tasks, one_step_run):
+    run = _one_checkpoint(tmp_path, one_step_run)
     checkpoint = run / "checkpoints" / "sft-000001"
     recorded = json.loads((checkpoint / "trainer.json").read_text())["schedules"]
     assert recorded["algo.exploration_beta"] == 0.0 and recorded["algo.tool_credit_alpha"] == 0.0
