@@ -1,6 +1,7 @@
 """Shared pytest setup for tests/ and bench/.
 
-Triton runs in its interpreter on CPU-only machines; `gpu` tests skip there.
+Triton runs in its interpreter on CPU-only machines; `gpu` tests skip there. Spread over
+workers (pytest-xdist), the modules with slow tests start first.
 """
 
 import os
@@ -15,9 +16,19 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _slow_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _slow_modules_first(items) -> None:
+    """Under pytest-xdist, the modules holding `slow` tests go first (each stays whole on one
+    worker with `--dist loadfile`): started last, one of them would keep its worker busy long
+    after the others ran out of work."""
+    slow = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow)

@@ -38,6 +38,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 PERTURBED = ROOT / "tests" / "perturbed_train.py"
 

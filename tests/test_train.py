@@ -65,6 +65,7 @@ def codenav_tasks(tmp_path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_sft_then_grpo_end_to_end(tmp_path, codenav_tasks):
     run_dir = tmp_path / "run"
     result = run_train(
