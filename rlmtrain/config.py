@@ -178,6 +178,13 @@ class RolloutConfig(_Section):
     weight_sync_bucket_mb: Annotated[
         float, _doc("vLLM: MiB of weights per update call (a larger tensor goes alone)", gt=0)
     ] = 64.0
+    colocate: Annotated[
+        bool,
+        _doc(
+            "vLLM on CUDA: the engine sleeps through the train steps, freeing its weights and "
+            "KV cache, and wakes for the next rollout: weights, then the sync, then KV cache"
+        ),
+    ] = False
 
     def too_few_workers(self) -> str:
         """Why `max_live_workers` cannot run a tree of `max_depth`, or "" when it can: each

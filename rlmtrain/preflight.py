@@ -35,6 +35,12 @@ def preflight(config: Config) -> str:
         ),
         ("rollout.max_live_workers", not rollout.too_few_workers(), rollout.too_few_workers()),
         (
+            "rollout.colocate",
+            not rollout.colocate or rollout.engine == "vllm",
+            "only vLLM sleeps to share a GPU with the trainer; rollout.engine is "
+            f"'{rollout.engine}'",
+        ),
+        (
             "algo.dual_clip",
             algo.dual_clip == 0 or algo.dual_clip > 1 + algo.clip_high,
             f"{algo.dual_clip} must be 0 (off) or above 1 + algo.clip_high = "

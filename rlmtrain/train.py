@@ -176,7 +176,7 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
         runlog.start_fresh()
     else:
         runlog.resume_after(state.phase, state.step)
-    sync = _EngineSync(engine, model)
+    sync = _EngineSync(engine, model, colocate=cfg.rollout.colocate)
 
     async def evaluate_now(phase: str, step: int) -> None:
         if not eval_tasks:
@@ -227,6 +227,7 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
                 lr = lr_at(cfg, "sft", step)
                 set_lr(optimizer, lr)
                 packed = _pack(next(batches), cfg, world.size)
+                await sync.release()
                 row = _sft_step(model, optimizer, packed, cfg, device, rank=world.rank)
                 row.update(phase="sft", step=step, lr=lr, seconds=time.perf_counter() - step_began)
                 sync.stale()
@@ -292,20 +293,40 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class _EngineSync:
     """Sends the policy's weights to the engine when they changed since the last send: every
     rank streams the parameters, each gathered whole from the shards as its engine takes it
-    (`parallel.full_parameters`, the ranks in lockstep), into its own engine."""
+    (`parallel.full_parameters`, the ranks in lockstep), into its own engine.
 
-    def __init__(self, engine: Engine, model: torch.nn.Module) -> None:
+    Colocated (`rollout.colocate`), it also lends the GPU to the trainer: `release` puts vLLM
+    to sleep before a train step, at level 2 (weights and KV cache freed, nothing copied to the
+    host: the sync resends every weight, and each vLLM worker checks that none is missing), and
+    the next call wakes it in two phases, the weights, then the sync, then the KV cache, so the
+    buckets in transit never share the GPU with a KV cache. Requests wait while it sleeps.
+    """
+
+    def __init__(self, engine: Engine, model: torch.nn.Module, *, colocate: bool) -> None:
         self._engine = engine
         self._model = model
+        self._colocate = colocate
         self._current = False
+        self._asleep = False
 
     def stale(self) -> None:
         self._current = False
 
+    async def release(self) -> None:
+        if self._colocate and not self._asleep:
+            await self._engine.sleep(level=2)
+            self._asleep = True
+            self._current = False
+
     async def __call__(self) -> None:
+        if self._asleep:
+            await self._engine.wake(("weights",))
         if not self._current:
             await self._engine.update_weights(hf_named(parallel.full_parameters(self._model)))
             self._current = True
+        if self._asleep:
+            await self._engine.wake(("kv_cache",))
+            self._asleep = False
 
 
 # ==================================================================== RL phase
@@ -389,6 +410,7 @@ async def _rl(
             if samples:
                 train_began = time.perf_counter()
                 packed = _pack(samples, cfg, world.size)
+                await sync.release()
                 row.update(
                     _grpo_step(model, optimizer, packed, cfg, device, reference, rank=world.rank)
                 )
@@ -681,6 +703,11 @@ def _refuse_unwired(cfg: Config, world: parallel.World, device: torch.device) ->
         raise ConfigError(
             "rollout.engine: 'vllm' runs one engine per process on its first GPU; several CUDA "
             "ranks each with vLLM are not supported yet (use 'native', or one rank)"
+        )
+    if cfg.rollout.colocate and device.type != "cuda":
+        raise ConfigError(
+            "rollout.colocate: vLLM's sleep mode frees GPU memory; this run trains on "
+            f"{device.type} (set it false)"
         )
     if cfg.rollout.engine == "sim":
         raise ConfigError(

@@ -142,6 +142,7 @@ PREFLIGHT_CASES = [
     (["--train.adam_betas=[0.9]"], "train.adam_betas"),
     (["--train.warmup_steps=400"], "train.warmup_steps"),
     (["--model.tokenizer=bpe", "--model.hf_dir=some/folder"], "model.tokenizer"),
+    (["--rollout.colocate=true"], "rollout.colocate"),
 ]  # fmt: skip
 
 
@@ -156,6 +157,19 @@ def test_train_refuses_a_broken_cross_field_rule_in_one_line(tmp_path, overrides
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert f"key '{key}'" in lines[0]
     assert not any(tmp_path.iterdir())  # refused before the run folder got anything
+
+
+def test_colocation_off_cuda_is_refused_in_one_line(tmp_path):
+    """vLLM's sleep mode exists on CUDA only; on a CPU run the key would do nothing."""
+    result = run_cli(
+        "train", "--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={tmp_path}",
+        "--rollout.engine=vllm", "--rollout.colocate=true", "--train.device=cpu",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "rollout.colocate" in lines[0] and "cpu" in lines[0]
+    assert not any(tmp_path.iterdir())
 
 
 def test_micro_batch_rule_yields_to_truncation():

@@ -259,6 +259,23 @@ def test_weights_sent_in_small_buckets_land_bit_for_bit(served) -> None:
     assert checked == set(sent)
 
 
+@pytest.mark.gpu
+def test_a_sleep_then_two_phase_wake_serves_the_weights_synced_between(served) -> None:
+    """Colocation's cycle (`rollout.colocate`): level-2 sleep frees weights and KV cache, the
+    weights wake, the sync fills them (every parameter, as training sends it), then the KV
+    cache wakes; greedy output then follows the synced weights."""
+    served.serve(tiny(0))
+    served.run(served.engine.sleep(level=2))
+    served.run(served.engine.wake(("weights",)))
+    model = tiny(4)
+    served.serve(model)
+    served.run(served.engine.wake(("kv_cache",)))
+    requests = prompts(8, seed=6)
+    ours = native_outputs(model, requests, lambda i: GREEDY)
+    theirs = vllm_outputs(served, requests, lambda i: GREEDY)
+    assert [c.token_ids for c in theirs] == [c.token_ids for c in ours]
+
+
 def test_closing_ends_the_requests_in_flight(served) -> None:
     """Last in the module: it closes the engine."""
     from rlmtrain.rollout.batching import EngineClosed

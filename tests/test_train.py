@@ -293,3 +293,45 @@ def test_grpo_step_fused_and_unfused_agree(updates):
         models["torch"].named_parameters(), models["unfused"].parameters(), strict=True
     ):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+class _SleepyEngine:
+    """Records what the weight sync asks of a colocated engine, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep {level}")
+
+    async def wake(self, tags) -> None:
+        self.calls.append(f"wake {'+'.join(tags)}")
+
+    async def update_weights(self, named_tensors) -> None:
+        self.calls.append(f"update {len(list(named_tensors))}")
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_colocated_sync_sleeps_for_the_step_and_wakes_weights_before_the_kv_cache(colocate):
+    import asyncio
+
+    from rlmtrain.config import ModelConfig
+    from rlmtrain.model import build_model
+    from rlmtrain.train import _EngineSync
+
+    model = build_model(ModelConfig(preset="tiny", vocab_size=300))
+    engine = _SleepyEngine()
+    sync = _EngineSync(engine, model, colocate=colocate)
+    every = f"update {len(list(model.parameters()))}"
+
+    async def a_run():
+        await sync()  # before the first rollout
+        await sync()  # nothing changed: nothing sent
+        for _ in range(2):  # two steps: train, then sync for the next rollout
+            await sync.release()
+            sync.stale()
+            await sync()
+
+    asyncio.run(a_run())
+    step = ["sleep 2", "wake weights", every, "wake kv_cache"] if colocate else [every]
+    assert engine.calls == [every, *step, *step]
