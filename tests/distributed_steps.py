@@ -66,7 +66,7 @@ async def _engine_receives(model, cfg: Config, state) -> bool:
     served_model = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
     engine = NativeEngine(served_model, max_batch_size=1, kv_cache_tokens=64)
     try:
-        await train._EngineSync(engine, model)()
+        await train._EngineSync(engine, model, colocate=False)()
         served = dict(engine.model.named_parameters())
         return served.keys() == state.keys() and all(
             torch.equal(served[k], state[k]) for k in state
