@@ -60,16 +60,19 @@ def fixed_samples(model, cfg: Config):
     return build_samples(groups, advantages, cfg.algo)
 
 
-async def _engine_receives(model, cfg: Config, state) -> bool:
-    """Whether this rank's own engine, synced as training syncs it (each parameter gathered
-    from the shards in lockstep as the engine takes it), holds `state` bit for bit."""
+async def _engine_misses(model, cfg: Config, state) -> list[str]:
+    """The names of `state` that this rank's own engine, synced as training syncs it (each
+    parameter gathered from the shards in lockstep as the engine takes it), lacks or holds
+    other bits of, and of the engine's parameters `state` lacks; [] when they are equal."""
     served_model = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
     engine = NativeEngine(served_model, max_batch_size=1, kv_cache_tokens=64)
     try:
         await train._EngineSync(engine, model, colocate=False)()
         served = dict(engine.model.named_parameters())
-        return served.keys() == state.keys() and all(
-            torch.equal(served[k], state[k]) for k in state
+        return sorted(
+            name
+            for name in served.keys() | state.keys()
+            if name not in served or name not in state or not torch.equal(served[name], state[name])
         )
     finally:
         await engine.close()
@@ -118,7 +121,7 @@ def main() -> None:
             )
             losses.append(row["loss"])
         state = parallel.full_state(model)
-        synced = parallel.all_gather(asyncio.run(_engine_receives(model, cfg, state)))
+        engine_misses = parallel.all_gather(asyncio.run(_engine_misses(model, cfg, state)))
         if world.is_main:
             changed = sum(int((state[k] != initial[k]).sum()) for k in state)
             total = sum(v.numel() for v in state.values())
@@ -128,7 +131,7 @@ def main() -> None:
                 "losses": losses,
                 "changed_fraction": changed / total,
                 "dtypes": sorted({str(v.dtype) for v in state.values()}),
-                "engine_weights_equal": synced,
+                "engine_misses": engine_misses,
             }
             print(json.dumps(summary))
     finally:
