@@ -99,7 +99,7 @@ def main(cfg: Config) -> int:
     try:
         level = cfg.logging.level.upper() if world.is_main else "WARNING"
         logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
-        _refuse_unwired(cfg, world, device)
+        _refuse_unwired(cfg, device)
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
@@ -697,13 +697,7 @@ def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Co
 # ==================================================================== data, tokenizer, saving
 
 
-def _refuse_unwired(cfg: Config, world: parallel.World, device: torch.device) -> None:
-    if cfg.rollout.engine == "vllm" and world.size > 1 and device.type == "cuda":
-        # Each rank's vLLM would start its worker on the first visible GPU, not the rank's.
-        raise ConfigError(
-            "rollout.engine: 'vllm' runs one engine per process on its first GPU; several CUDA "
-            "ranks each with vLLM are not supported yet (use 'native', or one rank)"
-        )
+def _refuse_unwired(cfg: Config, device: torch.device) -> None:
     if cfg.rollout.colocate and device.type != "cuda":
         raise ConfigError(
             "rollout.colocate: vLLM's sleep mode frees GPU memory; this run trains on "

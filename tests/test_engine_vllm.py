@@ -13,6 +13,7 @@ bit, and closing the engine ends the requests in flight as aborted.
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -274,6 +275,43 @@ def test_a_sleep_then_two_phase_wake_serves_the_weights_synced_between(served) -
     ours = native_outputs(model, requests, lambda i: GREEDY)
     theirs = vllm_outputs(served, requests, lambda i: GREEDY)
     assert [c.token_ids for c in theirs] == [c.token_ids for c in ours]
+
+
+@pytest.mark.parametrize(
+    ("index", "visible", "entry"),
+    [(0, None, "0"), (3, None, "3"), (1, "4,6", "6"), (0, " GPU-a1b2 , GPU-c3d4", "GPU-a1b2")],
+)
+def test_a_rank_s_gpu_is_named_as_its_process_sees_it(index, visible, entry) -> None:
+    from rlmtrain.rollout.engines.vllm import visible_device
+
+    assert visible_device(index, visible) == entry
+
+
+def test_a_gpu_the_process_cannot_see_is_refused_by_name() -> None:
+    from rlmtrain.rollout.engines.vllm import visible_device
+
+    with pytest.raises(ValueError, match=r"cuda:2 is not among the 2 GPUs"):
+        visible_device(2, "0,1")
+
+
+def test_the_engine_process_starts_seeing_only_the_rank_s_gpu(monkeypatch) -> None:
+    """A process started while vLLM spawns its engine core sees the one GPU of the device the
+    engine was given; the trainer's environment is as before afterwards (set or not)."""
+    import subprocess
+    import sys
+
+    from rlmtrain.rollout.engines.vllm import _engine_process_sees
+
+    show = [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"]
+    for before, device, seen in [("2,5", "cuda:1", "5"), (None, "cuda:3", "3"), ("1", "cpu", "1")]:
+        if before is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
+        with _engine_process_sees(torch.device(device)):
+            started = subprocess.run(show, capture_output=True, text=True, check=True)
+        assert started.stdout.strip() == seen
+        assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
 
 
 def test_closing_ends_the_requests_in_flight(served) -> None:

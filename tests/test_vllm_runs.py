@@ -5,12 +5,14 @@ A short train (a few SFT steps, two GRPO steps that train on every group) must f
 policy, and log for each RL step how far the trainer's log-probs of the sampled tokens are from
 the ones vLLM returned (`engine_logp_gap`, the mean |pi_old - pi_sampler| over trained tokens),
 within the tolerance measured for fp32 (`test_engine_vllm`: ~2e-6 at most). `rollout` then serves
-the exported policy.
+the exported policy. Under torchrun, two FSDP2 ranks each sample from a vLLM engine of their own
+(kept in step by the lockstep sync of the shards) and train as one.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GAP_TOLERANCE = 1e-4
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, head: tuple[str, ...] = ("-m", "rlmtrain.cli")) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rlmtrain.cli", *args, "--config", "configs/tiny-cpu.toml"],
+        [sys.executable, *head, *args, "--config", "configs/tiny-cpu.toml"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -35,23 +37,21 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_train_then_rollout_on_vllm(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    trained = cli(
-        "train",
-        "--rollout.engine=vllm",
-        f"--checkpoint.dir={run}",
-        "--data.sft_groups=3",
-        "--data.synth_groups=2",
-        "--train.sft_steps=8",
-        "--train.steps=2",
-        "--train.tasks_per_step=2",
-        "--rollout.n_samples=2",
-        "--algo.drop_uniform_groups=false",
-        "--eval.every=0",
-        "--logging.progress=false",
-    )
-    assert trained.returncode == 0, trained.stderr[-3000:]
+SHORT_TRAIN = (
+    "--rollout.engine=vllm",
+    "--data.sft_groups=3",
+    "--data.synth_groups=2",
+    "--train.sft_steps=8",
+    "--train.steps=2",
+    "--train.tasks_per_step=2",
+    "--rollout.n_samples=2",
+    "--algo.drop_uniform_groups=false",
+    "--eval.every=0",
+    "--logging.progress=false",
+)
+
+
+def _check_rl_steps(run: Path) -> None:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [row for row in rows if row.get("phase") == "rl"]
     assert [row["step"] for row in rl] == [0, 1]
@@ -60,6 +60,13 @@ def test_train_then_rollout_on_vllm(tmp_path: Path) -> None:
         assert row["tokens"] > 0, "the step trained on nothing"
         assert 0 <= row["engine_logp_gap"] < GAP_TOLERANCE, row["engine_logp_gap"]
     assert (run / "final" / "config.json").is_file()
+
+
+def test_train_then_rollout_on_vllm(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    trained = cli("train", *SHORT_TRAIN, f"--checkpoint.dir={run}")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    _check_rl_steps(run)
 
     out = tmp_path / "groups.jsonl"
     rolled = cli(
@@ -75,3 +82,15 @@ def test_train_then_rollout_on_vllm(tmp_path: Path) -> None:
     assert rolled.returncode == 0, rolled.stderr[-3000:]
     assert "wrote 1 groups" in rolled.stdout
     assert len(out.read_text().splitlines()) == 1
+
+
+def test_two_ranks_each_train_on_their_own_vllm(tmp_path: Path) -> None:
+    """Each rank's engine serves the synced policy: a rank whose engine kept other weights
+    would sample tokens whose trainer log-probs miss vLLM's by far more than the tolerance."""
+    run = tmp_path / "run"
+    port = str(29700 + os.getpid() % 1000)
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port)
+    trained = cli(*SHORT_TRAIN, f"--checkpoint.dir={run}", head=(*torchrun, "-m", "rlmtrain.train"))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "on 2 x cpu" in trained.stderr
+    _check_rl_steps(run)

