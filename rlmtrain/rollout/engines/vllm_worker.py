@@ -3,10 +3,12 @@
 vLLM runs its workers in another process and refuses to ship Python functions to them (its
 serializer takes plain data only, unless insecure pickling is switched on), so what a trainer
 needs done inside a worker is a method of a class named by its import path. Tensors in an RPC's
-arguments reach the worker as undecoded tuples, so a bucket of weights travels as one flat byte
-string with each tensor's name, dtype and shape beside it (`WeightBucket`), and is cut back into
-tensors here. This module is imported inside vLLM's worker process and so imports nothing of the
-trainer.
+arguments reach the worker as undecoded tuples, so a bucket of weights travels as one flat buffer
+with each tensor's name, dtype and shape beside it, and is cut back into tensors here: on the CPU
+the buffer's bytes themselves (`pack_bucket`), on CUDA a CUDA IPC handle of a buffer on the
+trainer's GPU (`share_cuda`), which the worker opens and copies, so the weights go from GPU
+memory to GPU memory without crossing the host. This module is imported inside vLLM's worker
+process and so imports nothing of the trainer.
 """
 
 from __future__ import annotations
@@ -15,43 +17,108 @@ import math
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-__all__ = ["WeightSync", "pack_bucket", "unpack_bucket"]
+__all__ = [
+    "WeightSync",
+    "concat_bucket",
+    "open_cuda_share",
+    "pack_bucket",
+    "share_cuda",
+    "unpack_bucket",
+]
+
+
+ALIGN = 16
+"""Each tensor of a bucket starts at a multiple of this many bytes, so a view of any dtype fits
+(and a CUDA copy out of the buffer runs on aligned addresses)."""
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def concat_bucket(
+    named: list[tuple[str, torch.Tensor]],
+) -> tuple[list[str], list[str], list[list[int]], torch.Tensor]:
+    """(names, dtypes, shapes, buffer): the tensors laid one after another, each at a multiple
+    of `ALIGN` bytes, in one flat uint8 tensor on their own device."""
+    names, dtypes, shapes, pieces = [], [], [], []
+    for name, tensor in named:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        names.append(name)
+        dtypes.append(str(tensor.dtype).removeprefix("torch."))
+        shapes.append(list(tensor.shape))
+        pieces.append(flat)
+        if _padded(flat.numel()) > flat.numel():
+            pieces.append(flat.new_zeros(_padded(flat.numel()) - flat.numel()))
+    return names, dtypes, shapes, torch.cat(pieces)
 
 
 def pack_bucket(
     named: list[tuple[str, torch.Tensor]],
 ) -> tuple[list[str], list[str], list[list[int]], bytes]:
-    """(names, dtypes, shapes, bytes): the tensors laid end to end as raw bytes."""
-    names, dtypes, shapes, chunks = [], [], [], []
-    for name, tensor in named:
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-        names.append(name)
-        dtypes.append(str(flat.dtype).removeprefix("torch."))
-        shapes.append(list(tensor.shape))
-        chunks.append(flat.view(torch.uint8).numpy().tobytes())
-    return names, dtypes, shapes, b"".join(chunks)
+    """`concat_bucket`'s layout as raw bytes (from tensors on any device)."""
+    names, dtypes, shapes, buffer = concat_bucket([(n, t.to("cpu")) for n, t in named])
+    return names, dtypes, shapes, buffer.numpy().tobytes()
 
 
 def unpack_bucket(
     names: list[str], dtypes: list[str], shapes: list[list[int]], data: bytes
 ) -> list[tuple[str, torch.Tensor]]:
     """`pack_bucket` undone: the named tensors, viewing one writable copy of `data`."""
+    return cut_bucket(torch.frombuffer(bytearray(data), dtype=torch.uint8), names, dtypes, shapes)
+
+
+def cut_bucket(
+    buffer: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """`concat_bucket` undone: the named tensors as views of the flat uint8 `buffer`."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError(
             f"a weight bucket of {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes"
         )
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    kinds = [getattr(torch, name) for name in dtypes]
+    sizes = [math.prod(shape) * kind.itemsize for kind, shape in zip(kinds, shapes, strict=True)]
+    needed = sum(_padded(size) for size in sizes)
+    if needed != buffer.numel():
+        raise ValueError(f"a weight bucket of {buffer.numel()} bytes whose tensors need {needed}")
     out, offset = [], 0
-    for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
-        dtype = getattr(torch, dtype_name)
-        count = math.prod(shape)
-        size = count * dtype.itemsize
-        out.append((name, buffer[offset : offset + size].view(dtype).reshape(shape)))
-        offset += size
-    if offset != len(buffer):
-        raise ValueError(f"a weight bucket of {len(buffer)} bytes whose tensors need {offset}")
+    for name, kind, shape, size in zip(names, kinds, shapes, sizes, strict=True):
+        out.append((name, buffer[offset : offset + size].view(kind).reshape(shape)))
+        offset += _padded(size)
     return out
+
+
+def share_cuda(buffer: torch.Tensor) -> list[Any]:
+    """A CUDA IPC handle of the flat uint8 CUDA `buffer` as plain data (bytes, ints, a bool),
+    which vLLM's RPC serializer carries; `open_cuda_share` opens it in another process. The
+    buffer must stay alive, unchanged, until the other process is done with it."""
+    _, args = reduce_tensor(buffer)
+    # torch's rebuild arguments, less the classes, the dtype and the device, which the
+    # receiving side knows: a uint8 buffer, opened on the receiver's own GPU.
+    (_, _, _, offset, _, _, _, handle, storage_bytes, storage_offset, _, *counter_and_event) = args
+    return [offset, buffer.numel(), handle, storage_bytes, storage_offset, *counter_and_event]
+
+
+def open_cuda_share(share: list[Any], device_index: int) -> torch.Tensor:
+    """The flat uint8 buffer `share_cuda` shared, mapped into this process on its CUDA device
+    `device_index` (the same GPU, which this process may number otherwise)."""
+    offset, numel, handle, storage_bytes, storage_offset, *counter_and_event = share
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size([numel]),
+        (1,),
+        offset,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        device_index,
+        handle,
+        storage_bytes,
+        storage_offset,
+        False,
+        *counter_and_event,
+    )
 
 
 class WeightSync:
@@ -67,6 +134,7 @@ class WeightSync:
 
     model_runner: Any
     vllm_config: Any
+    device: torch.device
 
     def rlmtrain_begin_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -80,7 +148,22 @@ class WeightSync:
         """Load one bucket (`pack_bucket`'s four parts) of Hugging Face-named tensors; the
         model's own `load_weights` maps the names onto its fused and sharded parameters.
         Returns how many tensors it loaded, so the caller can check nothing was dropped."""
-        named = unpack_bucket(names, dtypes, shapes, data)
+        return self._rlmtrain_load(unpack_bucket(names, dtypes, shapes, data))
+
+    def rlmtrain_load_cuda_bucket(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], share: list[Any]
+    ) -> int:
+        """`rlmtrain_load_bucket` for a bucket in a CUDA buffer of the trainer's (`share_cuda`'s
+        handle). The buffer is copied once, GPU to GPU, before this returns and the trainer
+        frees it: vLLM's layerwise reload holds on to the tensors a layer has received until
+        all of its tensors have arrived, which may be in a later bucket."""
+        shared = open_cuda_share(share, self.device.index)
+        buffer = shared.clone()
+        torch.cuda.current_stream(self.device).synchronize()
+        del shared
+        return self._rlmtrain_load(cut_bucket(buffer, names, dtypes, shapes))
+
+    def _rlmtrain_load(self, named: list[tuple[str, torch.Tensor]]) -> int:
         self._rlmtrain_loaded |= set(self.model_runner.get_model().load_weights(weights=named))
         return len(named)
 
