@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -300,9 +302,6 @@ def test_a_gpu_the_process_cannot_see_is_refused_by_name() -> None:
 def test_the_engine_process_starts_seeing_only_the_rank_s_gpu(monkeypatch) -> None:
     """A process started while vLLM spawns its engine core sees the one GPU of the device the
     engine was given; the trainer's environment is as before afterwards (set or not)."""
-    import subprocess
-    import sys
-
     from rlmtrain.rollout.engines.vllm import _engine_process_sees
 
     show = [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"]

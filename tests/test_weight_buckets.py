@@ -6,7 +6,7 @@ handle opened by another process, as vLLM's worker opens it.
 
 from __future__ import annotations
 
-import json
+import pickle
 import subprocess
 import sys
 
@@ -23,7 +23,7 @@ from rlmtrain.rollout.engines.vllm_worker import (
 )
 
 
-def mixed(device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+def mixed() -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     return [
         ("a.weight", torch.randn(7, 3, generator=gen).to(torch.bfloat16)),
@@ -65,39 +65,29 @@ def test_a_buffer_of_another_size_is_refused() -> None:
         cut_bucket(buffer, names[:-1], dtypes, shapes)
 
 
-OPEN_AND_SUM = """
-import json, sys, torch
-from rlmtrain.rollout.engines.vllm_worker import cut_bucket, open_cuda_share
-message = json.loads(sys.stdin.read())
-share = [bytes.fromhex(v[1:]) if isinstance(v, str) else v for v in message["share"]]
-buffer = open_cuda_share(share, message["device"])
-tensors = cut_bucket(buffer, message["names"], message["dtypes"], message["shapes"])
-print(json.dumps([t.double().sum().item() for _, t in tensors]))
+# The child reads the share (plain data, as vLLM's RPC carries it) from stdin and writes back
+# the bytes of the buffer it opened.
+OPEN_AND_READ = """
+import pickle, sys
+from rlmtrain.rollout.engines.vllm_worker import open_cuda_share
+share, device = pickle.loads(sys.stdin.buffer.read())
+sys.stdout.buffer.write(open_cuda_share(share, device).cpu().numpy().tobytes())
 """
 
 
 @pytest.mark.gpu
 def test_another_process_reads_a_shared_cuda_buffer() -> None:
-    """The child opens the handle on the parent's GPU and reads the very bytes written there."""
+    """The child opens the handle on the parent's GPU and reads the very bytes written there,
+    which cut back into the tensors sent."""
     sent = [(name, tensor.cuda()) for name, tensor in mixed()]
     names, dtypes, shapes, buffer = concat_bucket(sent)
     torch.cuda.synchronize()
-    share = [f"x{v.hex()}" if isinstance(v, bytes) else v for v in share_cuda(buffer)]
-    message = json.dumps(
-        {
-            "names": names,
-            "dtypes": dtypes,
-            "shapes": shapes,
-            "share": share,
-            "device": torch.cuda.current_device(),
-        }
-    )
     child = subprocess.run(
-        [sys.executable, "-c", OPEN_AND_SUM],
-        input=message,
+        [sys.executable, "-c", OPEN_AND_READ],
+        input=pickle.dumps((share_cuda(buffer), torch.cuda.current_device())),
         capture_output=True,
-        text=True,
         timeout=120,
     )
-    assert child.returncode == 0, child.stderr[-3000:]
-    assert json.loads(child.stdout) == [t.double().sum().item() for _, t in sent]
+    assert child.returncode == 0, child.stderr.decode()[-3000:]
+    assert child.stdout == buffer.cpu().numpy().tobytes()
+    assert_same(unpack_bucket(names, dtypes, shapes, child.stdout), sent)
