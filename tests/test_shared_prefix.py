@@ -193,12 +193,33 @@ def test_bad_layouts_are_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["flex", "flash"])
 def test_cuda_backends_equal_the_copied_layout_with_gradients(attention):
+    """bf16 on CUDA: the shared-prefix layout's hidden states and weight gradients are as close to
+    the fp32 copied layout as the bf16 copied layout is. The two bf16 layouts round along
+    different paths (a few units in the last place after several layers), so each is judged by
+    its error against fp32, not against the other."""
     if attention == "flash" and not devices.HAS_FLASH_ATTN:
         pytest.skip("flash-attn not installed")
-    model = make_model(QWEN3, attention, device="cuda").to(torch.bfloat16)
     samples = system_prompt_batch(seed=7)
     plain = collate(samples).to("cuda")
     shared = next(pack(samples, 10_000, shared_prefix_tokens=16).micro_batches()).to("cuda")
-    expected, got = _hidden_per_sample(model, plain), _hidden_per_sample(model, shared)
-    for index in range(len(samples)):
-        assert (expected[index].float() - got[index].float()).abs().max().item() <= 2e-2
+    assert shared.num_tokens < plain.num_tokens
+
+    def hidden_and_grads(dtype: torch.dtype, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        model = make_model(QWEN3, attention, device="cuda").to(dtype)
+        per_sample = _hidden_per_sample(model, batch)
+        hidden = torch.cat([per_sample[i] for i in range(len(samples))]).float()
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        upstream = torch.randn(hidden.shape, generator=gen, device="cuda")
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad((hidden * upstream).sum(), params, allow_unused=True)
+        return hidden.detach(), torch.cat([g.float().flatten() for g in grads if g is not None])
+
+    def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).norm() / b.norm()).item()
+
+    truth = hidden_and_grads(torch.float32, plain)
+    copied = hidden_and_grads(torch.bfloat16, plain)
+    prefixed = hidden_and_grads(torch.bfloat16, shared)
+    for what, t, c, p in zip(("hidden", "grads"), truth, copied, prefixed, strict=True):
+        assert rel_err(c, t) < 5e-2, what  # bf16 itself is sound here (about 1e-2 and 2e-2)
+        assert rel_err(p, t) <= 2 * rel_err(c, t), what
