@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the kernels in one device call, sized to fit one 600 s command
-# (step limits 495 s, plus start-up and up to 10 s of grace per step):
+# (step limits 555 s, plus start-up and up to 10 s of grace per step):
 # the card's two ceilings, the CUDA halves of the kernel and model tests, a tile sweep at the
-# training shape, then bench/bench_kernels.py's CUDA part with the sweep's winners, and a table.
+# training shape, then bench/bench_kernels.py's CUDA part with the sweep's winners (the key
+# shapes first), the fused GRPO loss's variants and kernel profile (bench/gpu/profile_grpo.py),
+# a table, and last the Qwen3-0.6B-shaped model's packed forward+backward rate
+# (bench/bench_model.py).
 #
 # Prepare here: `bash bench/gpu/fetch_wheels.sh` (peers and msgspec into .whl/). Then, through the
-# device tool: command `bash bench/gpu/run.sh`, carry [".whl"], timeout_s 600. Logs and JSON land
-# in $OUT (ceilings.json, tests.log, tiles.json, sweep.log, bench-{key,rest}.{log,json}).
+# device tool: command `bash bench/gpu/run.sh`, carry [".whl"], timeout_s 600. Logs and JSON
+# (ceilings.json, tests.log, tiles.json, sweep.log, bench-{key,rest}.{log,json}, profile.{log,json},
+# model.{log,json})
+# are written to $LOGS and packed into $OUT/gpu-run.tgz at every step, so a run cut short still
+# returns what its finished steps wrote, as one file (the device returns at most 8).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/rlmtrain-gpu}
-mkdir -p "$OUT"
-step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+OUT=${OUT:-/tmp/rlmtrain-gpu-out}
+LOGS=${TMPDIR:-/tmp}/rlmtrain-gpu
+mkdir -p "$OUT" "$LOGS"
+pack() { tar czf "$OUT/gpu-run.tgz" -C "$LOGS" .; }
+step() { pack; printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 # SIGINT, not SIGTERM, at a step's limit: pytest then still prints its failures and
 # pytest-benchmark still writes its JSON; -k ends a step that ignores it.
 limit() { timeout -s INT -k 10 "$@"; }
@@ -31,40 +39,54 @@ print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_d
 '| addmm accumulates in fp32:', s._addmm_accumulates_in_fp32(torch.device('cuda')))" || exit 1
 
 step "ceilings"
-limit 45 python3 bench/gpu/ceilings.py "$OUT/ceilings.json"
+limit 45 python3 bench/gpu/ceilings.py "$LOGS/ceilings.json"
 
 step "tests: CUDA halves of the kernel and model tests, and the weight buckets' CUDA IPC"
-limit 130 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
+limit 120 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
     tests/test_kernels_logprob.py \
     tests/test_kernels_fused.py tests/test_kernels_grpo.py tests/test_kernels_rows.py \
-    tests/test_model_packed.py tests/test_weight_buckets.py >"$OUT/tests.log" 2>&1
-tail -n 15 "$OUT/tests.log"
+    tests/test_model_packed.py tests/test_weight_buckets.py tests/test_kernels_old_logp_none.py \
+    tests/test_shared_prefix.py tests/test_kernels_logit_slabs.py >"$LOGS/tests.log" 2>&1
+tail -n 15 "$LOGS/tests.log"
 
 step "tile sweep at N=16384 H=2560"
-limit 110 python3 bench/gpu/sweep_tiles.py --out "$OUT/tiles.json" >"$OUT/sweep.log" 2>&1
-if grep -q '^tile sweep' "$OUT/sweep.log"; then
-    sed -n '/^tile sweep/,$p' "$OUT/sweep.log"
+limit 90 python3 bench/gpu/sweep_tiles.py --out "$LOGS/tiles.json" >"$LOGS/sweep.log" 2>&1
+if grep -q '^tile sweep' "$LOGS/sweep.log"; then
+    sed -n '/^tile sweep/,$p' "$LOGS/sweep.log"
 else
-    tail -n 8 "$OUT/sweep.log"  # cut short: tiles.json still holds the candidates it measured
+    tail -n 8 "$LOGS/sweep.log"  # cut short: tiles.json still holds the candidates it measured
 fi
-[ -s "$OUT/tiles.json" ] && export BENCH_TILES_JSON=$OUT/tiles.json
+[ -s "$LOGS/tiles.json" ] && export BENCH_TILES_JSON=$LOGS/tiles.json
 
 # The figures the targets are stated at (N = 16384, the GRPO loss alone) first, the rest after.
 step "benchmarks"
 bench() {  # name, seconds, -k expression
     limit "$2" python3 -m pytest -q -s -m gpu -p no:cacheprovider bench/bench_kernels.py \
-        --benchmark-only --benchmark-json="$OUT/$1.json" -k "$3" >"$OUT/$1.log" 2>&1
-    grep -E "passed|failed|error" "$OUT/$1.log" | tail -n 2
+        --benchmark-only --benchmark-json="$LOGS/$1.json" -k "$3" >"$LOGS/$1.log" 2>&1
+    grep -E "passed|failed|error" "$LOGS/$1.log" | tail -n 2
 }
 bench bench-key 130 "16384 or grpo_loss_alone"
-bench bench-rest 80 "not 16384 and not grpo_loss_alone"
+
+step "fused GRPO loss: variants, slab sizes, kernels"
+limit 60 python3 bench/gpu/profile_grpo.py --out "$LOGS/profile.json" >"$LOGS/profile.log" 2>&1
+grep -E "^grpo|Error" "$LOGS/profile.log"
+sed -n '/^---/,$p' "$LOGS/profile.log" | cut -c1-150 | head -n 18
+
+step "benchmarks at the other shapes"
+bench bench-rest 50 "not 16384 and not grpo_loss_alone"
 
 step "summary"
 for part in bench-key bench-rest; do
-    if [ -s "$OUT/$part.json" ]; then
-        python3 bench/gpu/summarize.py "$OUT/$part.json"
+    if [ -s "$LOGS/$part.json" ]; then
+        python3 bench/gpu/summarize.py "$LOGS/$part.json"
     else
         echo "($part cut short: its printed figures)"
-        grep '^\[cuda\]' "$OUT/$part.log" | cut -c1-120
+        grep '^\[cuda\]' "$LOGS/$part.log" | cut -c1-120
     fi
 done
+
+step "model: Qwen3-0.6B shape, packed T=2048, bf16"
+limit 60 python3 -m pytest -q -s -p no:cacheprovider bench/bench_model.py --benchmark-only \
+    --benchmark-json="$LOGS/model.json" -k "qwen3" >"$LOGS/model.log" 2>&1
+grep -E "tokens/s|passed|failed|error" "$LOGS/model.log" | tail -n 8
+pack

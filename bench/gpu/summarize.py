@@ -18,9 +18,8 @@ def main(path: str) -> None:
     for info in runs:
         if "name" not in info:
             continue
-        impl_free = " ".join(
-            w for w in info["name"].split() if w not in ("triton", "naive", "cce", "liger", "torch")
-        )
+        words = info["name"].split()  # "<workload> <impl> [<phase>]"
+        impl_free = " ".join(words[:1] + words[2:])
         workloads[(impl_free, info.get("N"), info.get("H"))].append(info)
     print(
         f"{'workload':<22} {'N':>8} {'H':>5} {'impl':<16} {'ms':>9} {'TFLOP/s':>8} "
