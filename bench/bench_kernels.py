@@ -90,13 +90,13 @@ def naive_grpo(inp: dict):
     return grads_of((inp["weights"] * per_token).sum(), inp)
 
 
-def liger_grpo(inp: dict):
+def liger_grpo(inp: dict, compiled: bool = False):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     n, h = inp["hidden"].shape
     b = n // LIGER_SEQ
     loss_fn = LigerFusedLinearGRPOLoss(
-        beta=0.0, compiled=False, use_ref_model=False, epsilon_low=CLIP_LOW,
+        beta=0.0, compiled=compiled, use_ref_model=False, epsilon_low=CLIP_LOW,
         epsilon_high=CLIP_HIGH, loss_type="bnpo",
     )  # fmt: skip
     loss, _ = loss_fn(
@@ -175,8 +175,10 @@ def print_cpu_summary(results: dict) -> None:
 @pytest.mark.parametrize("impl", list(CPU_IMPLS))
 @pytest.mark.parametrize(("n", "h"), CPU_CASES)
 def test_cpu_grpo_forward_backward(benchmark, cpu_results, impl, n, h):
-    if impl == "liger" and not HAS_LIGER:
+    if impl.startswith("liger") and not HAS_LIGER:
         pytest.skip("liger-kernel is not installed")
+    if impl == "liger-compiled" and (n, h) != (16384, 2560):
+        pytest.skip("compiled Liger runs at N=16384, H=2560 only")
     inp = grpo_inputs(n, h, torch.float32, "cpu")
     run = CPU_IMPLS[impl]
     peak = HostPeak()
@@ -267,7 +269,11 @@ def cuda_tiles() -> dict:
         tiles.CUDA_TILES.update(chosen["tiles"])
         tiles.BACKWARD_VARIANT = chosen["backward_variant"]
     used = {entry: dict(shape) for entry, shape in tiles.CUDA_TILES.items()}
-    return {**used, "backward_variant": tiles.BACKWARD_VARIANT}
+    return {
+        **used,
+        "backward_variant": tiles.BACKWARD_VARIANT,
+        "row_grads_variant": tiles.ROW_GRADS_VARIANT,
+    }
 
 
 def report_cuda(
@@ -319,7 +325,9 @@ def test_cuda_logprob(benchmark, cuda_tiles, impl, phase, n, h):
         torch.cuda.synchronize()
 
     def backward_setup():
-        return (logprob(x, w, t),), {}
+        logp = logprob(x, w, t)
+        torch.cuda.synchronize()  # else the forward's kernels run on into the timed backward
+        return (logp,), {}
 
     def backward(logp):
         torch.autograd.grad(logp, (x, w), upstream)
@@ -340,10 +348,23 @@ def test_cuda_logprob(benchmark, cuda_tiles, impl, phase, n, h):
     report_cuda(benchmark, f"logprob {impl} {phase}", n, h, NOMINAL_FLOPS[phase], extra, cuda_tiles)
 
 
+def recompute_grpo(inp: dict):
+    """Ours with the logits formed twice (forward kernel, backward recompute): 8·N·H·V."""
+    variant, tiles.ROW_GRADS_VARIANT = tiles.ROW_GRADS_VARIANT, "recompute"
+    try:
+        return ours_grpo(inp, "triton")
+    finally:
+        tiles.ROW_GRADS_VARIANT = variant
+
+
 CUDA_GRPO_IMPLS = {
     "triton": lambda inp: ours_grpo(inp, "triton"),
+    "triton-recompute": recompute_grpo,
     "naive": naive_grpo,
     "liger": liger_grpo,
+    # Liger's loss as its users run it, under torch.compile: compiled at the key shape only, since
+    # each shape costs a compilation.
+    "liger-compiled": lambda inp: liger_grpo(inp, compiled=True),
 }
 
 
@@ -351,8 +372,10 @@ CUDA_GRPO_IMPLS = {
 @pytest.mark.parametrize("impl", list(CUDA_GRPO_IMPLS))
 @pytest.mark.parametrize(("n", "h"), CUDA_CASES)
 def test_cuda_fused_grpo_forward_backward(benchmark, cuda_tiles, impl, n, h):
-    if impl == "liger" and not HAS_LIGER:
+    if impl.startswith("liger") and not HAS_LIGER:
         pytest.skip("liger-kernel is not installed")
+    if impl == "liger-compiled" and (n, h) != (16384, 2560):
+        pytest.skip("compiled Liger runs at N=16384, H=2560 only")
     inp = grpo_inputs(n, h, torch.bfloat16, "cuda")
     grad_bytes = (inp["hidden"].numel() + inp["weight"].numel()) * 2
 

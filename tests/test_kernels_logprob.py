@@ -323,9 +323,11 @@ def test_triton_cuda_tile_shapes(monkeypatch, variant, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("n", "h", "v", "dtype"), TRITON_CASES)
-def test_triton_slab_backward_matches_fp64_truth(monkeypatch, n, h, v, dtype, device):
-    """The slab variant of the backward, its slabs cut small (32 rows in the interpreter, one
-    row tile on CUDA) so that a call spans several and dW accumulates across them."""
-    monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "slabs")
+@pytest.mark.parametrize("variant", ["atomic", "slabs"])
+def test_triton_backward_variants_match_fp64_truth(monkeypatch, variant, n, h, v, dtype, device):
+    """Both backward variants, whichever is the default; the slabs cut small (32 rows in the
+    interpreter, one row tile on CUDA) so that a call spans several and dW accumulates across
+    them."""
+    monkeypatch.setattr(tiles, "BACKWARD_VARIANT", variant)
     monkeypatch.setattr(logprob_slabs, "SLAB_BYTES", 40 * v * 2)
     check_against_truth("triton", n, h, v, dtype, device)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import triton
-from rlmtrain_kernels import logprob, logprob_slabs, tiles
+from rlmtrain_kernels import logit_slabs, logprob, logprob_slabs, tiles
 from rlmtrain_kernels.grpo_loss import BLOCK as GRPO_BLOCK
 from rlmtrain_kernels.grpo_loss import NUM_METRIC_SUMS, _grpo_loss_kernel
 from triton.backends.compiler import GPUTarget
@@ -39,6 +39,8 @@ KERNELS = {
     "backward": logprob._logprob_bwd_kernel,
     "dlogits": logprob_slabs._dlogits_kernel,
     "grpo_loss": _grpo_loss_kernel,
+    "row_stats": logit_slabs._row_stats_kernel,
+    "row_dlogits": logit_slabs._row_dlogits_kernel,
 }
 TRITON_TYPES = {"bfloat16": "bf16", "float32": "fp32"}
 # Flags as training launches them, with every option on: entropy in the forward, both gradients
@@ -52,7 +54,7 @@ FLOAT_ARGS = ("inv_t", "beta", "clip_low", "clip_high", "dual_clip", "tis_cap")
 UNIT_STRIDES = ("stride_xh", "stride_wh")  # contiguous inputs: a launch folds these to 1
 # Integers a training launch passes as multiples of 16 (H = 2560 or 4096, V = 151936, and the
 # row strides they make), which a launch marks so that loads vectorise and pipeline.
-ALIGNED_INTS = ("H", "V", "stride_xn", "stride_wv", "stride_dz")
+ALIGNED_INTS = ("H", "V", "stride_xn", "stride_wv", "stride_dz", "stride_z")
 INPUT_POINTERS = ("X_ptr", "W_ptr", "DZ_ptr")
 
 
@@ -118,7 +120,11 @@ def committed_shapes() -> list[tuple[str, dict, str]]:
         for dtype in TRITON_TYPES
     ]
     grpo = dict(BLOCK=GRPO_BLOCK, num_warps=4, num_stages=3)  # Triton's launch defaults
-    return [*linear, ("grpo_loss", grpo, "float32")]
+    rows = dict(BLOCK_V=logit_slabs.ROW_BLOCK_V, num_warps=logit_slabs.ROW_WARPS)
+    stored = [
+        (kernel, rows, dtype) for kernel in ("row_stats", "row_dlogits") for dtype in TRITON_TYPES
+    ]
+    return [*linear, ("grpo_loss", grpo, "float32"), *stored]
 
 
 def sweep_shapes() -> list[tuple[str, dict, str]]:

@@ -19,9 +19,11 @@ reach the head (`rows.TrainedRows`).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from . import reference
+from . import logit_slabs, reference
 from ._backend import resolve_impl
 from .grpo_loss import (
     NUM_METRIC_SUMS,
@@ -74,34 +76,40 @@ def _linear_grpo_fwd(
     )
     weights = weights.float()
     need_grads = need_grad_hidden or need_grad_weight
+    loss_forward = reference.grpo_forward if impl == "torch" else partial(grpo_forward, impl=impl)
+
+    def token_grad(rows: slice, logp_rows: torch.Tensor) -> torch.Tensor:
+        # old_logp None stays None: grpo_forward then reads old = logp_rows.
+        old, ref, sampler = (
+            t[rows] if t is not None else None for t in (old_logp, ref_logp, sampler_logp)
+        )
+        _, grad, _ = loss_forward(
+            logp_rows, old, advantages[rows], weights[rows], ref, sampler, **grpo
+        )
+        return grad
+
+    stored_logits = impl != "torch" and need_grads and logit_slabs.applies(hidden)
     if impl == "torch":
-
-        def token_grad(rows: slice, logp_rows: torch.Tensor) -> torch.Tensor:
-            # old_logp None stays None: reference.grpo_forward then reads old = logp_rows.
-            old, ref, sampler = (
-                t[rows] if t is not None else None for t in (old_logp, ref_logp, sampler_logp)
-            )
-            _, grad, _ = reference.grpo_forward(
-                logp_rows, old, advantages[rows], weights[rows], ref, sampler, **grpo
-            )
-            return grad
-
         logp, entropy, grad_hidden, grad_weight = reference.linear_logprob_row_grads(
             hidden, weight, targets, token_grad,
             temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
             need_grads=need_grads, need_grad_weight=need_grad_weight,
         )  # fmt: skip
-        loss, _, sums = reference.grpo_forward(
-            logp, old_logp, advantages, weights, ref_logp, sampler_logp, **grpo
-        )
+    elif stored_logits:
+        logp, entropy, grad_hidden, grad_weight = logit_slabs.row_grads(
+            hidden, weight, targets, token_grad, temperature=temperature,
+            with_entropy=with_entropy, need_grad_hidden=need_grad_hidden,
+            need_grad_weight=need_grad_weight,
+        )  # fmt: skip
     else:
         logp, entropy, lse = logprob_forward_triton(
             hidden, weight, targets,
             temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
         )  # fmt: skip
-        loss, grad_logp, sums = grpo_forward(
-            logp, old_logp, advantages, weights, ref_logp, sampler_logp, impl="triton", **grpo
-        )
+    loss, grad_logp, sums = loss_forward(
+        logp, old_logp, advantages, weights, ref_logp, sampler_logp, **grpo
+    )
+    if impl != "torch" and not stored_logits:  # the backward kernels recompute the logits
         grad_hidden, grad_weight = logprob_backward_triton(
             hidden, weight, targets, lse, None, grad_logp, None,
             temperature=temperature, ignore_index=ignore_index,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import logit_slabs, reference
 from ._backend import resolve_impl
 from .grpo_loss import check_token_tensors
 from .logprob import (
@@ -45,6 +45,12 @@ def _linear_nll_fwd(
             hidden, weight, targets, lambda rows, _: grad_logp[rows],
             temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
             need_grads=need_grads, need_grad_weight=need_grad_weight,
+        )  # fmt: skip
+    elif need_grads and logit_slabs.applies(hidden):
+        logp, entropy, grad_hidden, grad_weight = logit_slabs.row_grads(
+            hidden, weight, targets, lambda rows, _: grad_logp[rows], temperature=temperature,
+            with_entropy=with_entropy, need_grad_hidden=need_grad_hidden,
+            need_grad_weight=need_grad_weight,
         )  # fmt: skip
     else:
         logp, entropy, lse = logprob_forward_triton(

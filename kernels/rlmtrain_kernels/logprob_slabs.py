@@ -21,7 +21,7 @@ from . import tiles
 from ._backend import tl, triton
 from .tiles import grad_logit_tile
 
-__all__ = ["SLAB_BYTES", "accumulate_grads"]
+__all__ = ["SLAB_BYTES", "accumulate_grads", "slab_products"]
 
 # Bytes of one slab of logit gradients (bf16: 3,533 rows at V = 151936). Large enough that each
 # matrix product is a long GEMM; the fp32 dW is read and written once per slab.
@@ -125,8 +125,6 @@ def accumulate_grads(
     slab_rows = max(block_n, SLAB_BYTES // (v * hidden.element_size()) // block_n * block_n)
     slab_rows = min(slab_rows, n)
     dz = torch.empty(slab_rows, v, dtype=hidden.dtype, device=hidden.device)
-    fp32_out = _fp32_products(hidden.device, hidden.dtype)
-    w32 = None if fp32_out else weight.float()
     for r0 in range(0, n, slab_rows):
         rows = slice(r0, min(r0 + slab_rows, n))
         x = hidden[rows]
@@ -135,16 +133,30 @@ def accumulate_grads(
             x, weight, targets[rows], lse[rows], mean_z[rows], g[rows], ge[rows], slab, inv_t,
             with_entropy,
         )  # fmt: skip
-        if fp32_out:
-            if grad_hidden is not None:
-                torch.mm(slab, weight, out_dtype=torch.float32, out=grad_hidden[rows])
-            if grad_weight is not None and _addmm_accumulates_in_fp32(hidden.device):
-                torch.addmm(grad_weight, slab.T, x, out_dtype=torch.float32, out=grad_weight)
-            elif grad_weight is not None:
-                grad_weight += torch.mm(slab.T, x, out_dtype=torch.float32)
-        else:
-            slab32 = slab.float()
-            if grad_hidden is not None:
-                torch.mm(slab32, w32, out=grad_hidden[rows])
-            if grad_weight is not None:
-                grad_weight.addmm_(slab32.T, x.float())
+        slab_products(
+            slab, x, weight, grad_hidden[rows] if grad_hidden is not None else None, grad_weight
+        )
+
+
+def slab_products(
+    dz: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+) -> None:
+    """grad_hidden [rows, H] fp32 = dz @ weight and grad_weight [V, H] fp32 += dz^T @ x, for one
+    slab of logit gradients dz [rows, V] in the input dtype (either output may be None)."""
+    if _fp32_products(x.device, x.dtype):
+        if grad_hidden is not None:
+            torch.mm(dz, weight, out_dtype=torch.float32, out=grad_hidden)
+        if grad_weight is not None and _addmm_accumulates_in_fp32(x.device):
+            torch.addmm(grad_weight, dz.T, x, out_dtype=torch.float32, out=grad_weight)
+        elif grad_weight is not None:
+            grad_weight += torch.mm(dz.T, x, out_dtype=torch.float32)
+    else:
+        dz32 = dz.float()
+        if grad_hidden is not None:
+            torch.mm(dz32, weight.float(), out=grad_hidden)
+        if grad_weight is not None:
+            grad_weight.addmm_(dz32.T, x.float())

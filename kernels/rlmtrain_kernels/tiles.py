@@ -11,20 +11,20 @@ import torch
 
 from ._backend import tl, triton, triton_interpreting
 
-# Tile shapes and launch options per kernel on CUDA, for 16-bit inputs: the largest shapes
-# whose sm_90 build keeps every value in registers (bench/gpu/compile_check.py reports registers,
-# stack and shared memory per shape without a GPU). The forward is a GEMM tile with an online
-# log-sum-exp epilogue; the atomic backward recomputes a logit tile and then streams H in slices
-# of BLOCK_H_OUT for its two output products; the slab backward's kernel is a GEMM tile with an
-# elementwise epilogue and a 16-bit store. Cut Cross-Entropy's published 256 x 128 x 32 forward
-# and 4-warp 128 x 128 backward spill here (832 and 344 stack bytes a thread): this epilogue
-# keeps more tiles live.
+# Tile shapes and launch options per kernel on CUDA, for 16-bit inputs. The forward and the slab
+# backward's kernel are the winners of bench/gpu/sweep_tiles.py on an H200 at N = 16384,
+# H = 2560 (bench/gpu/NOTES.md): 128 x 256 x 64 tiles beat 128 x 128 x 64 by 9% and 10% although
+# their sm_90 build spills about 850 bytes a thread (bench/gpu/compile_check.py). The forward is
+# a GEMM tile with an online log-sum-exp epilogue; the atomic backward recomputes a logit tile and
+# then streams H in slices of BLOCK_H_OUT for its two output products (its best shape measured,
+# 128 x 128 x 64, still ran 2.5x slower than the slabs); the slab backward's kernel is a GEMM tile
+# with an elementwise epilogue and a 16-bit store.
 CUDA_TILES: dict[str, dict[str, int]] = {
-    "forward": dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
+    "forward": dict(BLOCK_N=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
     "backward": dict(
         BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, BLOCK_H_OUT=64, num_warps=8, num_stages=3
     ),
-    "dlogits": dict(BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, num_warps=8, num_stages=3),
+    "dlogits": dict(BLOCK_N=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
 }
 # fp32 inputs: their exact ("ieee") dots run on the CUDA cores, whose accumulators take far more
 # registers than a tensor-core tile's; these smaller shapes build without spilling and within a
@@ -45,10 +45,16 @@ INTERPRETER_TILES: dict[str, dict[str, int]] = {
 # hidden states and a run of vocabulary tiles, so both stay in L2 (the grouped order of tiled
 # matrix products).
 GROUP_N = 8
-# How the backward forms dX and dW: "atomic" (each logit tile adds its products into fp32
-# buffers with atomics; nothing of size V is stored) or "slabs" (a kernel writes the logit
-# gradients of a slab of rows, then two matrix products finish dX and dW; see logprob_slabs.py).
-BACKWARD_VARIANT = "atomic"
+# How the backward forms dX and dW: "slabs" (a kernel writes the logit gradients of a slab of
+# rows, bounded by logprob_slabs.SLAB_BYTES, then two matrix products finish dX and dW) or
+# "atomic" (each logit tile adds its products into fp32 buffers with atomics; nothing of size V
+# is stored). On an H200 the slabs took 62.6 ms against the atomics' 153.7 at N = 16384,
+# H = 2560: the atomics' L2 read-modify-write traffic, not the arithmetic, bounds that kernel.
+BACKWARD_VARIANT = "slabs"
+# How the fused losses (GRPO, NLL) get their gradients for 16-bit inputs: "stored" (each slab's
+# logits formed once, kept in fp32 and reused for the gradients: 6·N·H·V; see logit_slabs.py) or
+# "recompute" (the log-prob forward kernel, then the backward recomputing the logits: 8·N·H·V).
+ROW_GRADS_VARIANT = "stored"
 
 
 def tiles_for(device: torch.device, kernel: str, dtype: torch.dtype) -> dict[str, int]:

@@ -1,0 +1,165 @@
+"""The fused losses' stored-logits path (logit_slabs.py) against float64 truth and against the
+recompute path, across 16-bit dtypes, several slabs with a partial last one, a vocabulary that
+is no multiple of the row kernels' block, and rows that must not overflow."""
+
+import pytest
+import torch
+from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_nll, logit_slabs, tiles
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.bfloat16, torch.float16]
+IGNORE = -100
+GRPO_OPTIONS = dict(beta=0.05, clip_low=0.2, clip_high=0.28, dual_clip=3.0, tis_cap=1.5)
+
+
+def rel_err(ours: torch.Tensor, truth: torch.Tensor) -> float:
+    return ((ours.double() - truth.double()).norm() / truth.double().norm()).item()
+
+
+def batch(n: int, h: int, v: int, dtype: torch.dtype, device: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen).to(dtype)
+    weight = (torch.randn(v, h, generator=gen) * (2.0 / h**0.5)).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[3::7] = IGNORE
+    old = -torch.rand(n, generator=gen) * 6
+    tok = dict(
+        old_logp=old,
+        advantages=torch.randn(n, generator=gen),
+        weights=torch.rand(n, generator=gen) / n,
+        ref_logp=old + 0.3 * torch.randn(n, generator=gen),
+        sampler_logp=old + 0.3 * torch.randn(n, generator=gen),
+    )
+    tok = {k: t.to(device) for k, t in tok.items()}
+    return hidden.to(device), weight.to(device), targets.to(device), tok
+
+
+def grpo_truth(hidden, weight, targets, tok, temperature):
+    """The GRPO loss of full float64 logits, and its gradients, by autograd."""
+    x, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logsm = torch.log_softmax((x @ w.T) / temperature, dim=-1)
+    valid = targets != IGNORE
+    logp = torch.where(valid, logsm.gather(1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    ratio = torch.exp(logp - tok["old_logp"].double())
+    adv = tok["advantages"].double()
+    clipped = torch.clamp(ratio, 1 - GRPO_OPTIONS["clip_low"], 1 + GRPO_OPTIONS["clip_high"])
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    surrogate = torch.where(
+        adv < 0, torch.maximum(surrogate, GRPO_OPTIONS["dual_clip"] * adv), surrogate
+    )
+    tis = torch.clamp(
+        torch.exp(tok["old_logp"].double() - tok["sampler_logp"].double()),
+        max=GRPO_OPTIONS["tis_cap"],
+    )
+    delta = tok["ref_logp"].double() - logp
+    kl = torch.exp(delta) - delta - 1
+    per_token = -tis * surrogate + GRPO_OPTIONS["beta"] * kl
+    weights = torch.where(valid, tok["weights"].double(), 0.0)
+    loss = (weights * per_token).sum()
+    return loss, *torch.autograd.grad(loss, (x, w))
+
+
+def fused_grpo(hidden, weight, targets, tok, temperature):
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, _, entropy = fused_linear_grpo_loss(
+        x, w, targets, tok["old_logp"], tok["advantages"], tok["weights"],
+        ref_logp=tok["ref_logp"], sampler_logp=tok["sampler_logp"], temperature=temperature,
+        return_entropy=True, impl="triton", **GRPO_OPTIONS,
+    )  # fmt: skip
+    return loss, *torch.autograd.grad(loss, (x, w)), entropy
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stored_logits_grpo_matches_fp64_truth_and_the_recompute_path(monkeypatch, dtype, device):
+    # 2 500 columns: the interpreter's 1 024-column blocks end in a partial one (the compiled
+    # kernels' 2 048 likewise). Slabs of 7 rows: 31 trained rows make 5 slabs, the last partial.
+    hidden, weight, targets, tok = batch(36, 40, 2500, dtype, device)
+    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 7 * 4 * 2500)
+    original, ran = logit_slabs.row_grads, []
+
+    def spy(*args, **kwargs):
+        ran.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(logit_slabs, "row_grads", spy)
+    monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "stored")
+    loss, dx, dw, entropy = fused_grpo(hidden, weight, targets, tok, temperature=0.8)
+    assert ran, "the stored-logits path did not run"
+    monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "recompute")
+    loss_r, dx_r, dw_r, entropy_r = fused_grpo(hidden, weight, targets, tok, temperature=0.8)
+    assert len(ran) == 1
+
+    loss_t, dx_t, dw_t = grpo_truth(hidden, weight, targets, tok, temperature=0.8)
+    assert abs(loss.item() - loss_t.item()) <= 1e-5 * max(1.0, abs(loss_t.item()))
+    # dz is rounded to the input dtype before the two products, on both paths.
+    assert rel_err(dx, dx_t) < 1e-2 and rel_err(dw, dw_t) < 1e-2
+    assert rel_err(dx, dx_r) < 5e-3 and rel_err(dw, dw_r) < 5e-3
+    torch.testing.assert_close(entropy, entropy_r, rtol=1e-4, atol=1e-4)
+    assert dx.dtype == dw.dtype == dtype
+    assert torch.all(dx[targets == IGNORE] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stored_logits_nll_matches_fp64_truth(monkeypatch, dtype, device):
+    hidden, weight, targets, tok = batch(19, 33, 1500, dtype, device, seed=2)
+    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 5 * 4 * 1500)
+    monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "stored")
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_linear_nll(x, w, targets, tok["weights"], temperature=1.3, impl="triton")
+    dx, dw = torch.autograd.grad(loss, (x, w))
+
+    x2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logsm = torch.log_softmax((x2 @ w2.T) / 1.3, dim=-1)
+    valid = targets != IGNORE
+    picked = logsm.gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    loss2 = -(torch.where(valid, tok["weights"].double(), 0.0) * picked).sum()
+    dx2, dw2 = torch.autograd.grad(loss2, (x2, w2))
+    assert abs(loss.item() - loss2.item()) <= 1e-5 * abs(loss2.item())
+    assert rel_err(dx, dx2) < 1e-2 and rel_err(dw, dw2) < 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_kernels_write_every_entry_and_survive_huge_logits(device):
+    """The row passes over a poisoned gradient buffer, on logits far beyond exp's range (and
+    a row whose maximum sits in the partial last block): lse, log-probs, entropy and every
+    gradient entry against float64."""
+    gen = torch.Generator().manual_seed(3)
+    rows, v = 5, 2500
+    z = (torch.randn(rows, v, generator=gen, dtype=torch.float64) * 30).to(device)
+    z[0] += 5000.0
+    z[1] -= 8000.0
+    z[2, -1] = 900.0
+    targets = torch.tensor([0, v - 1, v - 1, 17, 1234], device=device)
+    g = torch.randn(rows, generator=gen).to(device)
+    inv_t = 1 / 0.7
+    zs = (z * inv_t).double()
+    lse_t = torch.logsumexp(zs, dim=1)
+    p = torch.exp(zs - lse_t[:, None])
+    onehot = torch.nn.functional.one_hot(targets, v).double()
+    dz_t = (g.double()[:, None] * (onehot - p)) * inv_t
+
+    z32 = z.float()
+    logp = torch.full((rows,), float("nan"), device=device)
+    lse, entropy = logp.clone(), logp.clone()
+    dz = torch.full((rows, v), float("nan"), device=device, dtype=torch.bfloat16)
+    block = dict(BLOCK_V=1024, num_warps=logit_slabs.ROW_WARPS)
+    logit_slabs._row_stats_kernel[(rows,)](
+        z32, targets, logp, lse, entropy, v, z32.stride(0), inv_t, WITH_ENTROPY=True, **block
+    )
+    logit_slabs._row_dlogits_kernel[(rows,)](
+        z32, dz, targets, lse, g, v, z32.stride(0), dz.stride(0), inv_t, **block
+    )
+    torch.testing.assert_close(lse.double(), lse_t, rtol=1e-6, atol=1e-3)
+    torch.testing.assert_close(
+        logp.double(), zs.gather(1, targets[:, None])[:, 0] - lse_t, rtol=1e-5, atol=2e-3
+    )
+    torch.testing.assert_close(entropy.double(), lse_t - (p * zs).sum(1), rtol=1e-4, atol=2e-3)
+    assert not torch.isnan(dz).any()
+    torch.testing.assert_close(dz.double(), dz_t, rtol=1e-2, atol=1e-3 * g.abs().max().item())
+
+
+def test_fp32_inputs_keep_the_exact_kernels():
+    assert not logit_slabs.applies(torch.zeros(2, 2))
+    assert logit_slabs.applies(torch.zeros(2, 2, dtype=torch.bfloat16))
