@@ -260,17 +260,19 @@ def cuda_logprob_fn(impl: str):
 
 @pytest.fixture(scope="module")
 def cuda_tiles() -> dict:
-    """The Triton kernels' tiles and backward variant for this run: a sweep's winners when
+    """The Triton kernels' tiles and variants for this run: a sweep's winners when
     BENCH_TILES_JSON names its output, else the committed defaults."""
     path = os.environ.get("BENCH_TILES_JSON")
     if path:
         with open(path) as f:
             chosen = json.load(f)
         tiles.CUDA_TILES.update(chosen["tiles"])
+        tiles.FORWARD_VARIANT = chosen["forward_variant"]
         tiles.BACKWARD_VARIANT = chosen["backward_variant"]
     used = {entry: dict(shape) for entry, shape in tiles.CUDA_TILES.items()}
     return {
         **used,
+        "forward_variant": tiles.FORWARD_VARIANT,
         "backward_variant": tiles.BACKWARD_VARIANT,
         "row_grads_variant": tiles.ROW_GRADS_VARIANT,
     }

@@ -121,24 +121,31 @@ def test_stored_logits_nll_matches_fp64_truth(monkeypatch, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_row_kernels_write_every_entry_and_survive_huge_logits(device):
-    """The row passes over a poisoned gradient buffer, on logits far beyond exp's range (and
-    a row whose maximum sits in the partial last block): lse, log-probs, entropy and every
-    gradient entry against float64."""
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_row_kernels_write_every_entry_and_survive_huge_logits(device, with_entropy):
+    """The row passes over poisoned outputs, on logits far beyond exp's range, a row whose maximum
+    sits in the partial last block and an ignored row: lse, log-probs, entropy and every gradient
+    entry (with the entropy's term, g_H * p * (E_p[z] - z)) against float64."""
     gen = torch.Generator().manual_seed(3)
-    rows, v = 5, 2500
+    rows, v = 6, 2500
     z = (torch.randn(rows, v, generator=gen, dtype=torch.float64) * 30).to(device)
     z[0] += 5000.0
     z[1] -= 8000.0
     z[2, -1] = 900.0
-    targets = torch.tensor([0, v - 1, v - 1, 17, 1234], device=device)
-    g = torch.randn(rows, generator=gen).to(device)
+    targets = torch.tensor([0, v - 1, v - 1, 17, 1234, IGNORE], device=device)
+    trained = targets != IGNORE
+    g = torch.where(trained, torch.randn(rows, generator=gen).to(device), 0.0)
+    ge = torch.where(trained, torch.randn(rows, generator=gen).to(device), 0.0)
     inv_t = 1 / 0.7
-    zs = (z * inv_t).double()
+    zs = z * inv_t
     lse_t = torch.logsumexp(zs, dim=1)
     p = torch.exp(zs - lse_t[:, None])
-    onehot = torch.nn.functional.one_hot(targets, v).double()
-    dz_t = (g.double()[:, None] * (onehot - p)) * inv_t
+    mean_z = (p * zs).sum(1)
+    onehot = torch.nn.functional.one_hot(targets.clamp(min=0), v).double() * trained[:, None]
+    dz_t = g.double()[:, None] * (onehot - p)
+    if with_entropy:
+        dz_t += ge.double()[:, None] * p * (mean_z[:, None] - zs)
+    dz_t *= inv_t
 
     z32 = z.float()
     logp = torch.full((rows,), float("nan"), device=device)
@@ -149,17 +156,19 @@ def test_row_kernels_write_every_entry_and_survive_huge_logits(device):
         z32, targets, logp, lse, entropy, v, z32.stride(0), inv_t, WITH_ENTROPY=True, **block
     )
     logit_slabs._row_dlogits_kernel[(rows,)](
-        z32, dz, targets, lse, g, v, z32.stride(0), dz.stride(0), inv_t, **block
-    )
+        z32, dz, targets, lse, (lse - entropy).contiguous() if with_entropy else lse, g, ge, v,
+        z32.stride(0), dz.stride(0), inv_t, WITH_ENTROPY=with_entropy, **block,
+    )  # fmt: skip
     torch.testing.assert_close(lse.double(), lse_t, rtol=1e-6, atol=1e-3)
-    torch.testing.assert_close(
-        logp.double(), zs.gather(1, targets[:, None])[:, 0] - lse_t, rtol=1e-5, atol=2e-3
-    )
-    torch.testing.assert_close(entropy.double(), lse_t - (p * zs).sum(1), rtol=1e-4, atol=2e-3)
+    logp_t = torch.where(trained, zs.gather(1, targets.clamp(min=0)[:, None])[:, 0] - lse_t, 0.0)
+    torch.testing.assert_close(logp.double(), logp_t, rtol=1e-5, atol=2e-3)
+    entropy_t = torch.where(trained, lse_t - mean_z, 0.0)
+    torch.testing.assert_close(entropy.double(), entropy_t, rtol=1e-4, atol=2e-3)
     assert not torch.isnan(dz).any()
-    torch.testing.assert_close(dz.double(), dz_t, rtol=1e-2, atol=1e-3 * g.abs().max().item())
+    scale = dz_t.abs().max().item()
+    torch.testing.assert_close(dz.double(), dz_t, rtol=1e-2, atol=1e-3 * scale)
 
 
 def test_fp32_inputs_keep_the_exact_kernels():
-    assert not logit_slabs.applies(torch.zeros(2, 2))
-    assert logit_slabs.applies(torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert not tiles.stored_logits_for(torch.zeros(2, 2))
+    assert tiles.stored_logits_for(torch.zeros(2, 2, dtype=torch.bfloat16))

@@ -12,6 +12,7 @@ import torch
 from rlmtrain_kernels import (
     KernelBackendUnavailable,
     fused_linear_logprob,
+    logit_slabs,
     logprob_slabs,
     reference,
     tiles,
@@ -323,11 +324,24 @@ def test_triton_cuda_tile_shapes(monkeypatch, variant, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("n", "h", "v", "dtype"), TRITON_CASES)
-@pytest.mark.parametrize("variant", ["atomic", "slabs"])
+@pytest.mark.parametrize("variant", ["atomic", "slabs", "stored"])
 def test_triton_backward_variants_match_fp64_truth(monkeypatch, variant, n, h, v, dtype, device):
-    """Both backward variants, whichever is the default; the slabs cut small (32 rows in the
-    interpreter, one row tile on CUDA) so that a call spans several and dW accumulates across
-    them."""
+    """Every backward variant, whichever is the default; the slabs cut small (32 rows in the
+    interpreter, one row tile on CUDA; 40 rows of stored logits) so that a call spans several and
+    dW accumulates across them. fp32 inputs take "slabs" where "stored" is asked for."""
     monkeypatch.setattr(tiles, "BACKWARD_VARIANT", variant)
     monkeypatch.setattr(logprob_slabs, "SLAB_BYTES", 40 * v * 2)
+    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 40 * v * 4)
+    check_against_truth("triton", n, h, v, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("n", "h", "v", "dtype"), [c for c in TRITON_CASES if c[3] != torch.float32]
+)
+def test_triton_stored_forward_matches_fp64_truth(monkeypatch, n, h, v, dtype, device):
+    """The forward from stored logit slabs (several per call, the last partial), with either
+    backward after it."""
+    monkeypatch.setattr(tiles, "FORWARD_VARIANT", "stored")
+    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 40 * v * 4)
     check_against_truth("triton", n, h, v, dtype, device)

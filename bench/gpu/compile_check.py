@@ -131,7 +131,7 @@ def sweep_shapes() -> list[tuple[str, dict, str]]:
     sys.path.insert(0, str(Path(__file__).parent))
     from sweep_tiles import CANDIDATES
 
-    return [(entry, shape, "bfloat16") for _, _, entry, shape in CANDIDATES]
+    return [(entry, shape, "bfloat16") for _, _, entry, shape in CANDIDATES if entry is not None]
 
 
 def main() -> int:

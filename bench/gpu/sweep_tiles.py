@@ -1,8 +1,9 @@
-"""Times the log-prob kernels' candidate tile shapes, and the two backward variants, at one
-training shape, and keeps the fastest correct choice for the forward and for the backward.
+"""Times the log-prob kernels' candidate tile shapes, and the forward and backward variants, at
+one training shape, and keeps the fastest correct choice for the forward and for the backward.
 
-Each candidate replaces one entry of `tiles.CUDA_TILES` (and, for the backward, sets
-`tiles.BACKWARD_VARIANT`: "atomic" tiles the "backward" kernel, "slabs" the "dlogits" one). It is
+Each candidate sets its stage's variant (`tiles.FORWARD_VARIANT`: "kernel" or "stored";
+`tiles.BACKWARD_VARIANT`: "atomic" tiles the "backward" kernel, "slabs" the "dlogits" one,
+"stored" has no tiles) and replaces one entry of `tiles.CUDA_TILES` where it has one. It is
 checked against the chunked torch backend on the same inputs (relative error under 1e-4 for
 log-probs, 1e-2 for the gradients, whose dot operands are rounded to bf16); a candidate that
 computes something else is dropped, as is one that does not compile (shared memory, say). Then
@@ -30,18 +31,18 @@ def tile(n: int, v: int, h: int, warps: int, stages: int, h_out: int | None = No
     return shape if h_out is None else {**shape, "BLOCK_H_OUT": h_out}
 
 
-# (stage, backward variant, CUDA_TILES entry, tile shape); the first of each stage is committed.
+# (stage, variant, CUDA_TILES entry or None, tile shape or None); the first of each stage is
+# committed.
 CANDIDATES = [
-    *(("forward", None, "forward", tile(*t)) for t in [
-        (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (128, 128, 64, 8, 3),
-        (256, 128, 64, 8, 3),
+    *(("forward", "kernel", "forward", tile(*t)) for t in [
+        (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3),
     ]),
-    *(("backward", "atomic", "backward", tile(*t)) for t in [
-        (128, 128, 64, 8, 3, 64), (256, 128, 32, 8, 2, 64),
-    ]),
+    ("forward", "stored", None, None),
+    *(("backward", "atomic", "backward", tile(*t)) for t in [(128, 128, 64, 8, 3, 64)]),
     *(("backward", "slabs", "dlogits", tile(*t)) for t in [
-        (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 256, 128, 8, 2), (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3),
     ]),
+    ("backward", "stored", None, None),
 ]  # fmt: skip
 
 
@@ -80,9 +81,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def try_candidate(stage, variant, entry, shape, d, ref, flops) -> dict:
-    committed = (dict(tiles.CUDA_TILES[entry]), tiles.BACKWARD_VARIANT)
-    tiles.CUDA_TILES[entry] = dict(shape)
-    if variant is not None:
+    committed = (tiles.FORWARD_VARIANT, tiles.BACKWARD_VARIANT, dict(tiles.CUDA_TILES))
+    if entry is not None:
+        tiles.CUDA_TILES[entry] = dict(shape)
+    if stage == "forward":
+        tiles.FORWARD_VARIANT = variant
+    else:
         tiles.BACKWARD_VARIANT = variant
     row = dict(stage=stage, variant=variant, entry=entry, tiles=shape)
     try:
@@ -98,7 +102,7 @@ def try_candidate(stage, variant, entry, shape, d, ref, flops) -> dict:
         row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, ok=row["rel_err"] < tolerance)
     except Exception as exc:  # a shape that does not compile or launch is reported, not fatal
         row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:120]}")
-    tiles.CUDA_TILES[entry], tiles.BACKWARD_VARIANT = committed
+    tiles.FORWARD_VARIANT, tiles.BACKWARD_VARIANT, tiles.CUDA_TILES = committed
     print(json.dumps(row), flush=True)
     return row
 
@@ -124,10 +128,10 @@ def main() -> None:
         for r in (r for r in results if r["stage"] == stage):
             timing = f"{r['ms']:8.2f} ms {r['tflops']:5.0f} TFLOP/s" if "ms" in r else "failed"
             flag = "" if r["ok"] else "  REJECTED " + r.get("error", f"error {r.get('rel_err')}")
-            print(f"{stage:>8} {r['variant'] or '':<6} {r['tiles']} {timing}{flag}")
+            print(f"{stage:>8} {r['variant']:<6} {r['tiles'] or ''} {timing}{flag}")
         best = chosen["best"].get(stage)
         if best:
-            print(f"{stage:>8} best: {best['variant'] or ''} {best['tiles']} "
+            print(f"{stage:>8} best: {best['variant']} {best['tiles'] or ''} "
                   f"{best['tflops']:.0f} TFLOP/s")  # fmt: skip
     if args.out:
         write(args.out, chosen, results)
@@ -135,15 +139,20 @@ def main() -> None:
 
 def choose(results: list[dict]) -> dict:
     """The fastest correct candidate of each stage, as the tile entries and variant to use."""
-    chosen = {"tiles": {}, "backward_variant": tiles.BACKWARD_VARIANT, "best": {}}
+    chosen = {
+        "tiles": {},
+        "forward_variant": tiles.FORWARD_VARIANT,
+        "backward_variant": tiles.BACKWARD_VARIANT,
+        "best": {},
+    }
     for stage in ("forward", "backward"):
         good = [r for r in results if r["stage"] == stage and r["ok"]]
         if good:
             fastest = min(good, key=lambda r: r["ms"])
             chosen["best"][stage] = fastest
-            chosen["tiles"][fastest["entry"]] = fastest["tiles"]
-            if stage == "backward":
-                chosen["backward_variant"] = fastest["variant"]
+            chosen[f"{stage}_variant"] = fastest["variant"]
+            if fastest["entry"] is not None:
+                chosen["tiles"][fastest["entry"]] = fastest["tiles"]
     return chosen
 
 

@@ -40,6 +40,7 @@ from .logprob import (
     logprob_forward_triton,
 )
 from .rows import TrainedRows
+from .tiles import stored_logits_for
 
 __all__ = ["fused_linear_grpo_loss"]
 
@@ -88,7 +89,7 @@ def _linear_grpo_fwd(
         )
         return grad
 
-    stored_logits = impl != "torch" and need_grads and logit_slabs.applies(hidden)
+    stored_logits = impl != "torch" and need_grads and stored_logits_for(hidden)
     if impl == "torch":
         logp, entropy, grad_hidden, grad_weight = reference.linear_logprob_row_grads(
             hidden, weight, targets, token_grad,

@@ -19,6 +19,7 @@ from .logprob import (
     logprob_forward_triton,
 )
 from .rows import TrainedRows
+from .tiles import stored_logits_for
 
 __all__ = ["fused_linear_nll"]
 
@@ -46,7 +47,7 @@ def _linear_nll_fwd(
             temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
             need_grads=need_grads, need_grad_weight=need_grad_weight,
         )  # fmt: skip
-    elif need_grads and logit_slabs.applies(hidden):
+    elif need_grads and stored_logits_for(hidden):
         logp, entropy, grad_hidden, grad_weight = logit_slabs.row_grads(
             hidden, weight, targets, lambda rows, _: grad_logp[rows], temperature=temperature,
             with_entropy=with_entropy, need_grad_hidden=need_grad_hidden,

@@ -1,8 +1,9 @@
-"""Log-probs and a per-token loss's gradients in one pass over stored logit slabs: 6·N·H·V FLOPs.
+"""Linear log-probs over stored logit slabs: the logits of a slab of rows formed once by a matrix
+product, in fp32, then read by Triton passes per row.
 
 The fused losses (GRPO, NLL) know dLoss/dlogp of a token as soon as its log-prob is known, so
 their logits need not be formed twice (forward kernel, then the backward's recompute: 8·N·H·V).
-Here the rows go a slab at a time:
+`row_grads` takes the rows a slab at a time (6·N·H·V):
 
 1. one matrix product writes the slab's logits in fp32 (cuBLAS on CUDA: 16-bit operands, fp32
    accumulation and result, the precision of the Triton kernels' dots);
@@ -12,14 +13,19 @@ Here the rows go a slab at a time:
 5. two more products give dX of the slab and add dZ^T X into the fp32 dW
    (`logprob_slabs.slab_products`).
 
-The price of the saved third of the arithmetic is memory traffic, about 18·V bytes a row (the fp32
-logits written and read twice, the 16-bit gradients written and read twice), which on an H200 is
-a few percent of the products' time. Memory is bounded by `LOGIT_SLAB_BYTES` of fp32 logits and
-half that of gradients, whatever N is; no [N, V] tensor exists.
+The price of the saved quarter of the arithmetic is memory traffic, about 18·V bytes a row (the
+fp32 logits written and read twice, the 16-bit gradients written and read twice); on an H200 the
+row passes took 6 of the fused GRPO loss's 60 ms (bench/gpu/NOTES.md). Memory is bounded by
+`LOGIT_SLAB_BYTES` of fp32 logits and half that of gradients, whatever N is; no [N, V] tensor
+exists.
 
-Only 16-bit inputs take this path: fp32 inputs keep the Triton kernels' exact ("ieee") dots, which
-a cuBLAS product would not promise (it may use TF32 where the caller allowed it). Whether it runs
-at all is `tiles.ROW_GRADS_VARIANT` ("stored" or "recompute"); bench/gpu/sweep_tiles.py times both.
+The log-prob op itself can run its forward (`log_probs`: steps 1-2) and its backward
+(`accumulate_grads`: steps 1, 4 and 5, with the entropy's gradient) the same way, in place of the
+Triton GEMM kernels (`tiles.FORWARD_VARIANT`, `tiles.BACKWARD_VARIANT` = "stored"): on an H200
+cuBLAS formed a slab's logits at 720 TFLOP/s where the Triton forward kernel reached 481.
+
+Only 16-bit inputs take these paths (`tiles.STORED_LOGITS_DTYPES`): fp32 inputs keep the Triton
+kernels' exact ("ieee") dots. bench/gpu/sweep_tiles.py times every variant.
 """
 
 from __future__ import annotations
@@ -28,11 +34,10 @@ from collections.abc import Callable
 
 import torch
 
-from . import tiles
 from ._backend import tl, triton, triton_interpreting
 from .logprob_slabs import slab_products
 
-__all__ = ["LOGIT_SLAB_BYTES", "applies", "row_grads"]
+__all__ = ["LOGIT_SLAB_BYTES", "accumulate_grads", "log_probs", "row_grads"]
 
 # fp32 logits of one slab: 3,533 rows at V = 151936. Each slab reads and writes the fp32 dW once
 # (about 3 GB at H = 2560), so fewer, larger slabs save that traffic.
@@ -70,9 +75,11 @@ def _row_stats_kernel(
         in_vocab = cols < V
         z = tl.load(z_row + cols, mask=in_vocab, other=float("-inf")) * inv_t
         new_max = tl.maximum(lane_max, z)
-        # Equal maxima rescale by 1 (this also covers a lane still at -inf on both sides).
-        rescale = tl.where(lane_max == new_max, 1.0, tl.exp(lane_max - new_max))
-        e = tl.where(in_vocab, tl.exp(z - new_max), 0.0)
+        # A lane that has seen only padding stays at -inf; subtracting 0 there instead keeps
+        # -inf - -inf (nan) out of the arithmetic, and its exp(-inf) terms are 0 as they must be.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp(lane_max - shift)
+        e = tl.exp(z - shift)
         lane_sum = lane_sum * rescale + e
         if WITH_ENTROPY:
             lane_sum_z = lane_sum_z * rescale + e * tl.where(in_vocab, z, 0.0)
@@ -82,12 +89,13 @@ def _row_stats_kernel(
     total = tl.sum(lane_sum * to_row, axis=0)
     lse = row_max + tl.log(total)
     target = tl.load(T_ptr + row)
-    target_z = tl.load(z_row + target) * inv_t
+    trained = (target >= 0) & (target < V)  # ignore_index rows: log-prob and entropy 0
+    target_z = tl.load(z_row + target, mask=trained, other=0.0) * inv_t
     tl.store(LSE_ptr + row, lse)
-    tl.store(LOGP_ptr + row, target_z - lse)
+    tl.store(LOGP_ptr + row, tl.where(trained, target_z - lse, 0.0))
     if WITH_ENTROPY:
         mean_z = tl.sum(lane_sum_z * to_row, axis=0) / total
-        tl.store(ENT_ptr + row, lse - mean_z)
+        tl.store(ENT_ptr + row, tl.where(trained, lse - mean_z, 0.0))
 
 
 @triton.jit
@@ -96,29 +104,47 @@ def _row_dlogits_kernel(
     DZ_ptr,
     T_ptr,
     LSE_ptr,
+    MEANZ_ptr,
     G_ptr,
+    GE_ptr,
     V,
     stride_z,
     stride_dz,
     inv_t,
+    WITH_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """One row's dLoss/d(logits before the temperature): g * (onehot - p) / T, in DZ's dtype."""
+    """One row's dLoss/d(logits before the temperature), in DZ's dtype:
+    (g * (onehot - p) + g_H * p * (E_p[z] - z)) / T, the second term with WITH_ENTROPY."""
     row = tl.program_id(0).to(tl.int64)
     target = tl.load(T_ptr + row)
     lse = tl.load(LSE_ptr + row)
     g = tl.load(G_ptr + row)
+    if WITH_ENTROPY:
+        ge = tl.load(GE_ptr + row)
+        mean_z = tl.load(MEANZ_ptr + row)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         in_vocab = cols < V
         z = tl.load(Z_ptr + row * stride_z + cols, mask=in_vocab, other=float("-inf")) * inv_t
-        dz = (tl.where(cols == target, g, 0.0) - g * tl.exp(z - lse)) * inv_t
-        tl.store(DZ_ptr + row * stride_dz + cols, dz.to(DZ_ptr.dtype.element_ty), mask=in_vocab)
+        p = tl.exp(z - lse)
+        dz = tl.where(cols == target, g, 0.0) - g * p
+        if WITH_ENTROPY:
+            dz += ge * p * (mean_z - tl.where(in_vocab, z, 0.0))
+        tl.store(
+            DZ_ptr + row * stride_dz + cols, (dz * inv_t).to(DZ_ptr.dtype.element_ty), mask=in_vocab
+        )
 
 
-def applies(hidden: torch.Tensor) -> bool:
-    """Whether the fused losses take this path for these inputs (see the module's docstring)."""
-    return tiles.ROW_GRADS_VARIANT == "stored" and hidden.dtype in (torch.bfloat16, torch.float16)
+def _slab_rows(n: int, v: int) -> int:
+    return max(1, min(n, LOGIT_SLAB_BYTES // (4 * v)))
+
+
+def _row_launch(v: int) -> dict[str, int]:
+    # The interpreter's cost is per operation: 1024 columns a step still leaves a partial block at
+    # the tests' vocabularies.
+    block_v = 1024 if triton_interpreting() else min(ROW_BLOCK_V, triton.next_power_of_2(v))
+    return dict(BLOCK_V=block_v, num_warps=ROW_WARPS)
 
 
 def _slab_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
@@ -127,6 +153,84 @@ def _slab_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> No
         torch.mm(x, weight.T, out_dtype=torch.float32, out=out)
     else:  # the interpreter's tests: a 16-bit product is exact in fp32, as on the tensor cores
         torch.mm(x.float(), weight.float().T, out=out)
+
+
+def _slab_stats(z, targets, logp, lse, entropy, inv_t: float, with_entropy: bool) -> None:
+    """logp, lse (and entropy) of the rows whose fp32 logits z holds."""
+    v = z.shape[1]
+    _row_stats_kernel[(z.shape[0],)](
+        z, targets, logp, lse, entropy if with_entropy else logp, v, z.stride(0), inv_t,
+        WITH_ENTROPY=with_entropy, **_row_launch(v),
+    )  # fmt: skip
+
+
+def log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp [N], entropy [N] or [0], lse [N]), fp32; rows whose target is outside [0, V) (an
+    ignore_index) get log-prob and entropy 0."""
+    n, v = hidden.shape[0], weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
+    entropy = torch.empty(n if with_entropy else 0, **f32)
+    slab_rows = _slab_rows(n, v)
+    logits = torch.empty(slab_rows, v, **f32)
+    for r0 in range(0, n, slab_rows):
+        rows = slice(r0, min(r0 + slab_rows, n))
+        z = logits[: rows.stop - r0]
+        _slab_logits(hidden[rows], weight, z)
+        _slab_stats(
+            z, targets[rows], logp[rows], lse[rows], entropy[rows] if with_entropy else None,
+            1.0 / temperature, with_entropy,
+        )  # fmt: skip
+    return logp, entropy, lse
+
+
+def _slab_dlogits(z, dz, targets, lse, mean_z, g, ge, inv_t: float, with_entropy: bool) -> None:
+    v = z.shape[1]
+    _row_dlogits_kernel[(z.shape[0],)](
+        z, dz, targets, lse, mean_z if with_entropy else lse, g, ge if with_entropy else g, v,
+        z.stride(0), dz.stride(0), inv_t, WITH_ENTROPY=with_entropy, **_row_launch(v),
+    )  # fmt: skip
+
+
+def accumulate_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    mean_z: torch.Tensor,
+    g: torch.Tensor,
+    ge: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor | None,
+    *,
+    inv_t: float,
+    with_entropy: bool,
+) -> None:
+    """The log-prob op's backward, `logprob_slabs.accumulate_grads`'s contract: fill grad_hidden
+    [N, H] fp32 and add into grad_weight [V, H] fp32 (either may be None) from the per-row
+    upstream coefficients (g, g_H, lse, E_p[z]; g and g_H already 0 on ignored rows)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    slab_rows = _slab_rows(n, v)
+    logits = torch.empty(slab_rows, v, dtype=torch.float32, device=hidden.device)
+    dlogits = torch.empty(slab_rows, v, dtype=hidden.dtype, device=hidden.device)
+    for r0 in range(0, n, slab_rows):
+        rows = slice(r0, min(r0 + slab_rows, n))
+        x = hidden[rows]
+        z, dz = logits[: x.shape[0]], dlogits[: x.shape[0]]
+        _slab_logits(x, weight, z)
+        _slab_dlogits(
+            z, dz, targets[rows], lse[rows], mean_z[rows], g[rows], ge[rows], inv_t, with_entropy
+        )
+        slab_products(
+            dz, x, weight, grad_hidden[rows] if grad_hidden is not None else None, grad_weight
+        )
 
 
 def row_grads(
@@ -148,34 +252,26 @@ def row_grads(
     """
     n, h = hidden.shape
     v = weight.shape[0]
-    device = hidden.device
+    f32 = dict(dtype=torch.float32, device=hidden.device)
     inv_t = 1.0 / temperature
-    slab_rows = max(1, min(n, LOGIT_SLAB_BYTES // (4 * v)))
-    logits = torch.empty(slab_rows, v, dtype=torch.float32, device=device)
-    dlogits = torch.empty(slab_rows, v, dtype=hidden.dtype, device=device)
-    logp = torch.empty(n, dtype=torch.float32, device=device)
-    lse = torch.empty(n, dtype=torch.float32, device=device)
-    entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=device)
-    grad_hidden = torch.empty(n, h, device=device) if need_grad_hidden else None
-    grad_weight = torch.zeros(v, h, device=device) if need_grad_weight else None
-    block_v = min(ROW_BLOCK_V, triton.next_power_of_2(v)) if not triton_interpreting() else 1024
-    launch = dict(BLOCK_V=block_v, num_warps=ROW_WARPS)
+    slab_rows = _slab_rows(n, v)
+    logits = torch.empty(slab_rows, v, **f32)
+    dlogits = torch.empty(slab_rows, v, dtype=hidden.dtype, device=hidden.device)
+    logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
+    entropy = torch.empty(n if with_entropy else 0, **f32)
+    grad_hidden = torch.empty(n, h, **f32) if need_grad_hidden else None
+    grad_weight = torch.zeros(v, h, **f32) if need_grad_weight else None
     for r0 in range(0, n, slab_rows):
         rows = slice(r0, min(r0 + slab_rows, n))
         x = hidden[rows]
-        count = x.shape[0]
-        z, dz = logits[:count], dlogits[:count]
+        z, dz = logits[: x.shape[0]], dlogits[: x.shape[0]]
         _slab_logits(x, weight, z)
-        _row_stats_kernel[(count,)](
-            z, targets[rows], logp[rows], lse[rows], entropy[rows] if with_entropy else logp,
-            v, z.stride(0), inv_t, WITH_ENTROPY=with_entropy, **launch,
+        _slab_stats(
+            z, targets[rows], logp[rows], lse[rows], entropy[rows] if with_entropy else None,
+            inv_t, with_entropy,
         )  # fmt: skip
-        if grad_hidden is None and grad_weight is None:
-            continue
         g = row_grad(rows, logp[rows]).float().contiguous()
-        _row_dlogits_kernel[(count,)](
-            z, dz, targets[rows], lse[rows], g, v, z.stride(0), dz.stride(0), inv_t, **launch
-        )
+        _slab_dlogits(z, dz, targets[rows], lse[rows], None, g, None, inv_t, False)
         slab_products(
             dz, x, weight, grad_hidden[rows] if grad_hidden is not None else None, grad_weight
         )

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from . import logprob_slabs, reference, tiles
+from . import logit_slabs, logprob_slabs, reference, tiles
 from ._backend import resolve_impl, tl, triton
 from .rows import TrainedRows
 from .tiles import grad_logit_tile, grouped_tile, logit_tile
@@ -197,12 +197,17 @@ def logprob_forward_triton(
     ignore_index: int,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp [N], entropy [N] or [0], lse [N]), fp32, by the Triton forward kernel."""
+    """(logp [N], entropy [N] or [0], lse [N]), fp32, by the Triton forward kernel, or from
+    stored logit slabs (`tiles.FORWARD_VARIANT`)."""
     n, h = hidden.shape
     v = weight.shape[0]
     if n == 0:
         empty = hidden.new_empty(0, dtype=torch.float32)
         return empty, empty, empty
+    if tiles.FORWARD_VARIANT == "stored" and hidden.dtype in tiles.STORED_LOGITS_DTYPES:
+        return logit_slabs.log_probs(
+            hidden, weight, targets, temperature=temperature, with_entropy=with_entropy
+        )
     cfg = tiles.tiles_for(hidden.device, "forward", hidden.dtype)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
@@ -267,7 +272,8 @@ def logprob_backward_triton(
     need_grad_weight: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dHidden [N, H] fp32 or None, dWeight [V, H] fp32 or None) by the Triton backward
-    (`tiles.BACKWARD_VARIANT`: the atomic tile kernel, or logit-gradient slabs)."""
+    (`tiles.BACKWARD_VARIANT`: logit-gradient slabs, the atomic tile kernel, or slabs from
+    stored logits)."""
     n, h = hidden.shape
     v = weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -281,8 +287,12 @@ def logprob_backward_triton(
     if n == 0 or not (need_grad_hidden or need_grad_weight):
         return grad_hidden, grad_weight
     upstream = (lse.contiguous(), mean_z.contiguous(), g.contiguous(), ge.contiguous())
-    if tiles.BACKWARD_VARIANT == "slabs":
-        logprob_slabs.accumulate_grads(
+    variant = tiles.BACKWARD_VARIANT
+    if variant == "stored" and hidden.dtype not in tiles.STORED_LOGITS_DTYPES:
+        variant = "slabs"  # fp32 keeps the kernels' exact dots
+    if variant in ("slabs", "stored"):
+        slabs = logit_slabs if variant == "stored" else logprob_slabs
+        slabs.accumulate_grads(
             hidden, weight, targets, *upstream, grad_hidden, grad_weight,
             inv_t=1.0 / temperature, with_entropy=with_entropy,
         )  # fmt: skip
