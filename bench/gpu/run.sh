@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the kernels in one device call, sized to fit one 600 s command
-# (step limits 555 s, plus start-up and up to 10 s of grace per step):
+# (step limits 595 s, plus start-up and up to 10 s of grace per step; run 2 took 328 s in all):
 # the card's two ceilings, the CUDA halves of the kernel and model tests, a tile sweep at the
 # training shape, then bench/bench_kernels.py's CUDA part with the sweep's winners (the key
 # shapes first), the fused GRPO loss's variants and kernel profile (bench/gpu/profile_grpo.py),
-# a table, and last the Qwen3-0.6B-shaped model's packed forward+backward rate
-# (bench/bench_model.py).
+# a table, the Qwen3-0.6B-shaped model's packed forward+backward rate (bench/bench_model.py), and
+# last the trainer's GRPO step on that model on the one GPU (bench/gpu/train_step.py).
 #
 # Prepare here: `bash bench/gpu/fetch_wheels.sh` (peers and msgspec into .whl/). Then, through the
 # device tool: command `bash bench/gpu/run.sh`, carry [".whl"], timeout_s 600. Logs and JSON
 # (ceilings.json, tests.log, tiles.json, sweep.log, bench-{key,rest}.{log,json}, profile.{log,json},
-# model.{log,json})
+# model.{log,json}, train-step.log)
 # are written to $LOGS and packed into $OUT/gpu-run.tgz at every step, so a run cut short still
 # returns what its finished steps wrote, as one file (the device returns at most 8).
 set -uo pipefail
@@ -65,7 +65,7 @@ bench() {  # name, seconds, -k expression
         --benchmark-only --benchmark-json="$LOGS/$1.json" -k "$3" >"$LOGS/$1.log" 2>&1
     grep -E "passed|failed|error" "$LOGS/$1.log" | tail -n 2
 }
-bench bench-key 130 "16384 or grpo_loss_alone"
+bench bench-key 120 "16384 or grpo_loss_alone"
 
 step "fused GRPO loss: variants, slab sizes, kernels"
 limit 60 python3 bench/gpu/profile_grpo.py --out "$LOGS/profile.json" >"$LOGS/profile.log" 2>&1
@@ -73,7 +73,7 @@ grep -E "^grpo|Error" "$LOGS/profile.log"
 sed -n '/^---/,$p' "$LOGS/profile.log" | cut -c1-150 | head -n 18
 
 step "benchmarks at the other shapes"
-bench bench-rest 50 "not 16384 and not grpo_loss_alone"
+bench bench-rest 40 "not 16384 and not grpo_loss_alone"
 
 step "summary"
 for part in bench-key bench-rest; do
@@ -86,7 +86,11 @@ for part in bench-key bench-rest; do
 done
 
 step "model: Qwen3-0.6B shape, packed T=2048, bf16"
-limit 60 python3 -m pytest -q -s -p no:cacheprovider bench/bench_model.py --benchmark-only \
+limit 40 python3 -m pytest -q -s -p no:cacheprovider bench/bench_model.py --benchmark-only \
     --benchmark-json="$LOGS/model.json" -k "qwen3" >"$LOGS/model.log" 2>&1
 grep -E "tokens/s|passed|failed|error" "$LOGS/model.log" | tail -n 8
+
+step "train step: GRPO on the Qwen3-0.6B shape, one GPU, 64 samples of 1-3k tokens"
+limit 80 python3 bench/gpu/train_step.py --preset qwen3-0.6b >"$LOGS/train-step.log" 2>&1
+tail -n 3 "$LOGS/train-step.log"
 pack
