@@ -1,8 +1,9 @@
 """The kernels build for a Hopper GPU at their committed CUDA tile shapes, fit its shared memory,
 put 16-bit matrix work on its warpgroup MMA and add gradients with vector reductions (and the
-GRPO loss kernel builds too), checked on a machine without one: bench/gpu/compile_check.py
-compiles the real kernels for sm_90 through Triton's ahead-of-time path (ptxas included) in a
-subprocess, since this process runs Triton's interpreter, which compiles nothing."""
+GRPO loss kernel and the stored-logits row passes build too), checked on a machine without one:
+bench/gpu/compile_check.py compiles the real kernels for sm_90 through Triton's ahead-of-time
+path (ptxas included) in a subprocess, since this process runs Triton's interpreter, which
+compiles nothing."""
 
 import json
 import os
@@ -31,11 +32,14 @@ def test_committed_tiles_build_for_sm90_within_shared_memory():
         *((kernel, dtype) for kernel in ("forward", "backward", "dlogits")
           for dtype in ("bfloat16", "float32")),
         ("grpo_loss", "float32"),
+        ("row_stats", "float32"),
+        ("row_dlogits", "bfloat16"),
     }, run.stderr[-2000:]  # fmt: skip
     for r in reports:
         assert "error" not in r, r
         assert r["shared_bytes"] <= 232_448, r
-        if r["dtype"] == "bfloat16":  # matrix work on Hopper's warpgroup MMA, not the old path
+        matrix_work = r["kernel"] in ("forward", "backward", "dlogits")
+        if matrix_work and r["dtype"] == "bfloat16":  # on Hopper's warpgroup MMA, not the old path
             assert r["hgmma"] > 0 and r["hmma"] == 0, r
         if r["kernel"] == "backward":  # dX and dW added 16 bytes at a time
             assert r["vector_reductions"] > 0 and r["scalar_reductions"] == 0, r
