@@ -37,9 +37,21 @@ import torch
 from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss, tiles
 
 V = 151936
-H200_BF16_PEAK_FLOPS = 790e12  # dense bf16 8192^3 matmul as measured on an H200
 DATASHEET_BF16_PEAK_FLOPS = 989.4e12  # H100/H200 SXM dense bf16, the vendor's figure
-H200_COPY_BYTES_PER_S = 4.3e12  # device-to-device copy, bytes read + written, measured on an H200
+
+
+def _measured_ceilings() -> tuple[float, float]:
+    """(bf16 matmul FLOP/s, copy bytes/s) of the card: this run's own `bench/gpu/ceilings.py`
+    output when BENCH_CEILINGS_JSON names it (bench/gpu/run.sh does), else an H200 earlier."""
+    path = os.environ.get("BENCH_CEILINGS_JSON")
+    if not path:
+        return 790e12, 4.3e12  # an H200 of this workplace, 2026-10-28 (8192^3 random bf16)
+    with open(path) as f:
+        found = json.load(f)
+    return found["bf16_matmul_flops"], found["copy_bytes_per_s"]
+
+
+MEASURED_BF16_FLOPS, MEASURED_COPY_BYTES_PER_S = _measured_ceilings()
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 LIGER_SEQ = 512  # Liger takes padded [B, T] batches; N tokens become N / 512 sequences
 HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
@@ -286,7 +298,7 @@ def report_cuda(
     info = dict(
         device=torch.cuda.get_device_name(), dtype="bfloat16", N=n, H=h, V=V,
         median_s=seconds, tflops=tflops, peak_extra_bytes=extra,
-        pct_of_bf16_peak=100 * tflops * 1e12 / H200_BF16_PEAK_FLOPS,
+        pct_of_bf16_peak=100 * tflops * 1e12 / MEASURED_BF16_FLOPS,
         pct_of_datasheet_peak=100 * tflops * 1e12 / DATASHEET_BF16_PEAK_FLOPS,
         name=name, tiles=tiles,
     )  # fmt: skip
@@ -416,10 +428,10 @@ def test_cuda_grpo_loss_alone(benchmark, impl, n):
     gb_per_s = moved / seconds / 1e9
     benchmark.extra_info.update(
         device=torch.cuda.get_device_name(), N=n, impl=impl, median_s=seconds, gb_per_s=gb_per_s,
-        pct_of_measured_copy=100 * gb_per_s * 1e9 / H200_COPY_BYTES_PER_S,
+        pct_of_measured_copy=100 * gb_per_s * 1e9 / MEASURED_COPY_BYTES_PER_S,
         name=f"grpo_loss {impl}",
     )  # fmt: skip
     print(
         f"\n[cuda] grpo_loss {impl} N={n}: {seconds * 1e6:.0f} us, {gb_per_s:.0f} GB/s "
-        f"({100 * gb_per_s * 1e9 / H200_COPY_BYTES_PER_S:.0f}% of the measured copy bandwidth)"
+        f"({100 * gb_per_s * 1e9 / MEASURED_COPY_BYTES_PER_S:.0f}% of the measured copy bandwidth)"
     )
