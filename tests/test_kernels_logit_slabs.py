@@ -61,12 +61,12 @@ def grpo_truth(hidden, weight, targets, tok, temperature):
 
 def fused_grpo(hidden, weight, targets, tok, temperature):
     x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, _, entropy = fused_linear_grpo_loss(
+    loss, metrics, entropy = fused_linear_grpo_loss(
         x, w, targets, tok["old_logp"], tok["advantages"], tok["weights"],
         ref_logp=tok["ref_logp"], sampler_logp=tok["sampler_logp"], temperature=temperature,
         return_entropy=True, impl="triton", **GRPO_OPTIONS,
     )  # fmt: skip
-    return loss, *torch.autograd.grad(loss, (x, w)), entropy
+    return loss, *torch.autograd.grad(loss, (x, w)), entropy, metrics
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -84,10 +84,12 @@ def test_stored_logits_grpo_matches_fp64_truth_and_the_recompute_path(monkeypatc
 
     monkeypatch.setattr(logit_slabs, "row_grads", spy)
     monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "stored")
-    loss, dx, dw, entropy = fused_grpo(hidden, weight, targets, tok, temperature=0.8)
+    loss, dx, dw, entropy, metrics = fused_grpo(hidden, weight, targets, tok, temperature=0.8)
     assert ran, "the stored-logits path did not run"
     monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "recompute")
-    loss_r, dx_r, dw_r, entropy_r = fused_grpo(hidden, weight, targets, tok, temperature=0.8)
+    loss_r, dx_r, dw_r, entropy_r, metrics_r = fused_grpo(
+        hidden, weight, targets, tok, temperature=0.8
+    )
     assert len(ran) == 1
 
     loss_t, dx_t, dw_t = grpo_truth(hidden, weight, targets, tok, temperature=0.8)
@@ -96,6 +98,8 @@ def test_stored_logits_grpo_matches_fp64_truth_and_the_recompute_path(monkeypatc
     assert rel_err(dx, dx_t) < 1e-2 and rel_err(dw, dw_t) < 1e-2
     assert rel_err(dx, dx_r) < 5e-3 and rel_err(dw, dw_r) < 5e-3
     torch.testing.assert_close(entropy, entropy_r, rtol=1e-4, atol=1e-4)
+    for name, a, b in zip(metrics._fields, metrics, metrics_r, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
     assert dx.dtype == dw.dtype == dtype
     assert torch.all(dx[targets == IGNORE] == 0)
 
@@ -213,3 +217,24 @@ def test_bf16_training_loop_stored_equals_recompute_step_for_step(monkeypatch):
     assert stored == pytest.approx(recomputed, rel=1e-3, abs=1e-5)
     for a, b in zip(stored_params, recomputed_params, strict=True):
         assert rel_err(a, b) < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("frozen", ["head", "trunk"])
+def test_stored_logits_with_one_gradient_wanted(monkeypatch, frozen, device):
+    """A frozen head (no dW) or frozen hidden states (no dX): the other gradient alone, the same
+    as the chunked torch backend's."""
+    hidden, weight, targets, tok = batch(29, 24, 1300, torch.bfloat16, device, seed=4)
+    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 6 * 4 * 1300)
+
+    def grad(impl: str) -> torch.Tensor:
+        x = hidden.clone().requires_grad_(frozen == "head")
+        w = weight.clone().requires_grad_(frozen == "trunk")
+        loss, _ = fused_linear_grpo_loss(
+            x, w, targets, None, tok["advantages"], tok["weights"], impl=impl
+        )
+        (out,) = torch.autograd.grad(loss, (x if frozen == "head" else w,))
+        return out
+
+    monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "stored")
+    assert rel_err(grad("triton"), grad("torch")) < 1e-2

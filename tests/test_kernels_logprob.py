@@ -324,24 +324,39 @@ def test_triton_cuda_tile_shapes(monkeypatch, variant, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("n", "h", "v", "dtype"), TRITON_CASES)
-@pytest.mark.parametrize("variant", ["atomic", "slabs", "stored"])
+@pytest.mark.parametrize("variant", ["atomic", "slabs"])
 def test_triton_backward_variants_match_fp64_truth(monkeypatch, variant, n, h, v, dtype, device):
-    """Every backward variant, whichever is the default; the slabs cut small (32 rows in the
-    interpreter, one row tile on CUDA; 40 rows of stored logits) so that a call spans several and
-    dW accumulates across them. fp32 inputs take "slabs" where "stored" is asked for."""
+    """Both Triton-GEMM backward variants, whichever is the default; the slabs cut small (32 rows
+    in the interpreter, one row tile on CUDA) so that a call spans several and dW accumulates
+    across them."""
     monkeypatch.setattr(tiles, "BACKWARD_VARIANT", variant)
     monkeypatch.setattr(logprob_slabs, "SLAB_BYTES", 40 * v * 2)
-    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 40 * v * 4)
     check_against_truth("triton", n, h, v, dtype, device)
+
+
+STORED_CASES = [c for c in TRITON_CASES if c[3] != torch.float32] + [(37, 40, 2500, torch.float16)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    ("n", "h", "v", "dtype"), [c for c in TRITON_CASES if c[3] != torch.float32]
-)
-def test_triton_stored_forward_matches_fp64_truth(monkeypatch, n, h, v, dtype, device):
-    """The forward from stored logit slabs (several per call, the last partial), with either
-    backward after it."""
-    monkeypatch.setattr(tiles, "FORWARD_VARIANT", "stored")
+@pytest.mark.parametrize(("n", "h", "v", "dtype"), STORED_CASES)
+@pytest.mark.parametrize("stored", ["forward", "backward", "both"])
+def test_triton_stored_variants_match_fp64_truth(monkeypatch, stored, n, h, v, dtype, device):
+    """The log-prob op's forward and backward from stored fp32 logit slabs (40 rows a slab: a
+    call spans several, the last partial), alone and together, entropy gradient included."""
+    calls = []
+    for name in ("log_probs", "accumulate_grads"):
+        original = getattr(logit_slabs, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(logit_slabs, name, spy)
+    if stored in ("forward", "both"):
+        monkeypatch.setattr(tiles, "FORWARD_VARIANT", "stored")
+    if stored in ("backward", "both"):
+        monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "stored")
     monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 40 * v * 4)
     check_against_truth("triton", n, h, v, dtype, device)
+    expected = {"forward": {"log_probs"}, "backward": {"accumulate_grads"}}
+    assert set(calls) == expected.get(stored, {"log_probs", "accumulate_grads"})

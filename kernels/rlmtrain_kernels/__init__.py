@@ -25,8 +25,9 @@ callers without graph breaks. old_logp=None means pi_old is the detached current
 update per rollout batch; the ratio is 1, its gradient the policy gradient). Rows whose target is
 `ignore_index` never reach the head (`rows.TrainedRows`). The Triton tiles and variants live in
 `tiles`: the backward writes a slab of logit gradients bounded by `logprob_slabs.SLAB_BYTES`
-(or adds its products with atomics), and the fused losses on 16-bit inputs keep each slab's fp32
-logits, bounded by `logit_slabs.LOGIT_SLAB_BYTES`, to form them once (`logit_slabs`).
+(or adds its products with atomics, or forms the slab from stored fp32 logits), and the fused
+losses on 16-bit inputs keep each slab's fp32 logits, bounded by `logit_slabs.LOGIT_SLAB_BYTES`,
+to form them once (`logit_slabs`).
 """
 
 from ._backend import KernelBackendUnavailable

@@ -4,10 +4,12 @@ A token's GRPO gradient dLoss/dlogp_t depends on that token alone, so the gradie
 logits is known as soon as a row's log-sum-exp is: the op computes dHidden and dWeight during the
 forward (as Liger's chunked losses do) and the backward only scales them by the upstream scalar.
 The torch backend thereby reuses each row block's logit tile (6·N·H·V FLOPs, as unfused autograd,
-against 8·N·H·V for forward-then-recompute); the Triton backend runs the log-prob forward kernel,
-the elementwise GRPO kernel and the log-prob backward kernel back to back. No [N, V] tensor
-exists on either path. When no gradient is wanted (no_grad, frozen inputs) nothing beyond the
-loss is computed.
+against 8·N·H·V for forward-then-recompute), and so does the Triton backend on 16-bit inputs: a
+slab's logits are formed once in fp32 and kept for its gradients (logit_slabs.py). On fp32 inputs,
+or with `tiles.ROW_GRADS_VARIANT = "recompute"`, it runs the log-prob forward kernel, the
+elementwise GRPO kernel and the log-prob backward (which recomputes the logits) back to back.
+No [N, V] tensor exists on any path. When no gradient is wanted (no_grad, frozen inputs) nothing
+beyond the loss is computed.
 
 `old_logp=None` (pi_old = the detached current policy) costs no second pass over the head: inside
 the op, old_logp is the forward's own log-probs, which autograd never sees, so the ratio is exactly
@@ -110,7 +112,8 @@ def _linear_grpo_fwd(
     loss, grad_logp, sums = loss_forward(
         logp, old_logp, advantages, weights, ref_logp, sampler_logp, **grpo
     )
-    if impl != "torch" and not stored_logits:  # the backward kernels recompute the logits
+    if impl != "torch" and not stored_logits:
+        # The recompute path: its backward forms the logits again from the forward's `lse`.
         grad_hidden, grad_weight = logprob_backward_triton(
             hidden, weight, targets, lse, None, grad_logp, None,
             temperature=temperature, ignore_index=ignore_index,

@@ -141,8 +141,8 @@ def _slab_rows(n: int, v: int) -> int:
 
 
 def _row_launch(v: int) -> dict[str, int]:
-    # The interpreter's cost is per operation: 1024 columns a step still leaves a partial block at
-    # the tests' vocabularies.
+    # The interpreter's cost is per operation, so it takes fewer, wider steps; 1024 columns still
+    # leave the tests' vocabularies (1000-2500) a partial last block.
     block_v = 1024 if triton_interpreting() else min(ROW_BLOCK_V, triton.next_power_of_2(v))
     return dict(BLOCK_V=block_v, num_warps=ROW_WARPS)
 
@@ -155,8 +155,16 @@ def _slab_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> No
         torch.mm(x.float(), weight.float().T, out=out)
 
 
-def _slab_stats(z, targets, logp, lse, entropy, inv_t: float, with_entropy: bool) -> None:
-    """logp, lse (and entropy) of the rows whose fp32 logits z holds."""
+def _slab_stats(
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    logp: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    inv_t: float,
+    with_entropy: bool,
+) -> None:
+    """Fill logp, lse [rows] (and entropy [rows]) from the slab's fp32 logits z [rows, V]."""
     v = z.shape[1]
     _row_stats_kernel[(z.shape[0],)](
         z, targets, logp, lse, entropy if with_entropy else logp, v, z.stride(0), inv_t,
@@ -191,7 +199,19 @@ def log_probs(
     return logp, entropy, lse
 
 
-def _slab_dlogits(z, dz, targets, lse, mean_z, g, ge, inv_t: float, with_entropy: bool) -> None:
+def _slab_dlogits(
+    z: torch.Tensor,
+    dz: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    mean_z: torch.Tensor | None,
+    g: torch.Tensor,
+    ge: torch.Tensor | None,
+    inv_t: float,
+    with_entropy: bool,
+) -> None:
+    """Write dz [rows, V] (input dtype) = dLoss/dlogits from the slab's fp32 logits z [rows, V]
+    and the per-row coefficients [rows]: g, and with the entropy's gradient g_H and E_p[z]."""
     v = z.shape[1]
     _row_dlogits_kernel[(z.shape[0],)](
         z, dz, targets, lse, mean_z if with_entropy else lse, g, ge if with_entropy else g, v,

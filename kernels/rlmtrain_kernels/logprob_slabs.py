@@ -8,7 +8,8 @@ gradients in the input dtype, then dX[slab] = dZ @ W and dW += dZ^T @ X[slab] ru
 matrix products with fp32 accumulation and fp32 results. The slab is bounded by `SLAB_BYTES`
 whatever N is, so memory stays O(slab * V + V * H); the logits themselves are never stored.
 
-Which variant runs is `tiles.BACKWARD_VARIANT`; bench/gpu/sweep_tiles.py times both.
+Which variant runs is `tiles.BACKWARD_VARIANT` ("slabs" is this module; "atomic" the kernel in
+logprob.py; "stored" logit_slabs.py); bench/gpu/sweep_tiles.py times all three.
 """
 
 from __future__ import annotations

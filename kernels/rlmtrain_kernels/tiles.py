@@ -1,8 +1,8 @@
 """Tile shapes, program order and the Triton pieces the log-prob kernels share.
 
-`CUDA_TILES` is a module-level table (and `BACKWARD_VARIANT` a module-level choice) so that a
-tuning sweep (bench/gpu/sweep_tiles.py) can try others without touching the kernels; the
-launchers read them at each call.
+`CUDA_TILES` is a module-level table (and `FORWARD_VARIANT`, `BACKWARD_VARIANT` and
+`ROW_GRADS_VARIANT` module-level choices) so that a tuning sweep (bench/gpu/sweep_tiles.py) can
+try others without touching the kernels; the launchers read them at each call.
 """
 
 from __future__ import annotations
