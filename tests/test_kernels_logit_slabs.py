@@ -6,6 +6,8 @@ import pytest
 import torch
 from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_nll, logit_slabs, tiles
 
+from tests.test_kernels_fused import train_lm_head
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.bfloat16, torch.float16]
 IGNORE = -100
@@ -174,8 +176,9 @@ def test_row_kernels_write_every_entry_and_survive_huge_logits(device, with_entr
 
 
 def test_fp32_inputs_keep_the_exact_kernels():
-    assert not tiles.stored_logits_for(torch.zeros(2, 2))
-    assert tiles.stored_logits_for(torch.zeros(2, 2, dtype=torch.bfloat16))
+    assert not tiles.stores_logits("stored", torch.float32)
+    assert tiles.stores_logits("stored", torch.bfloat16)
+    assert not tiles.stores_logits("recompute", torch.bfloat16)
 
 
 def test_bf16_training_loop_stored_equals_recompute_step_for_step(monkeypatch):
@@ -183,33 +186,16 @@ def test_bf16_training_loop_stored_equals_recompute_step_for_step(monkeypatch):
     precision does) under each row-gradient variant: the same losses and weights, step for step,
     to bf16's rounding of the logit gradients."""
 
+    def bf16_grpo(hidden, head, targets, old_logp, advantages, weights):
+        loss, _ = fused_linear_grpo_loss(
+            hidden.to(torch.bfloat16), head.to(torch.bfloat16), targets, old_logp, advantages,
+            weights, clip_high=0.28, impl="triton",
+        )  # fmt: skip
+        return loss
+
     def train(variant: str) -> tuple[list[float], list[torch.Tensor]]:
         monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", variant)
-        gen = torch.Generator().manual_seed(0)
-        n, h, v = 48, 16, 1100
-        features = torch.randn(n, h, generator=gen)
-        targets = torch.randint(0, v, (n,), generator=gen)
-        advantages = torch.randn(n, generator=gen)
-        trunk = torch.nn.Linear(h, h)
-        head = torch.nn.Parameter(torch.randn(v, h, generator=gen) * 0.3)
-        with torch.no_grad():
-            trunk.weight.copy_(torch.randn(h, h, generator=gen) * 0.3)
-            trunk.bias.zero_()
-            old_logp = torch.log_softmax(torch.tanh(trunk(features)) @ head.T, -1)
-            old_logp = old_logp.gather(1, targets[:, None]).squeeze(1)
-        opt = torch.optim.AdamW([*trunk.parameters(), head], lr=3e-2)
-        losses = []
-        for _ in range(6):
-            hidden = torch.tanh(trunk(features)).to(torch.bfloat16)
-            loss, _ = fused_linear_grpo_loss(
-                hidden, head.to(torch.bfloat16), targets, old_logp, advantages,
-                torch.full((n,), 1.0 / n), clip_high=0.28, impl="triton",
-            )  # fmt: skip
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses, [p.detach().clone() for p in (*trunk.parameters(), head)]
+        return train_lm_head(bf16_grpo, v=1100)
 
     stored, stored_params = train("stored")
     recomputed, recomputed_params = train("recompute")

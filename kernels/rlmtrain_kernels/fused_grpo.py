@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from . import logit_slabs, reference
+from . import logit_slabs, reference, tiles
 from ._backend import resolve_impl
 from .grpo_loss import (
     NUM_METRIC_SUMS,
@@ -42,7 +42,6 @@ from .logprob import (
     logprob_forward_triton,
 )
 from .rows import TrainedRows
-from .tiles import stored_logits_for
 
 __all__ = ["fused_linear_grpo_loss"]
 
@@ -91,7 +90,11 @@ def _linear_grpo_fwd(
         )
         return grad
 
-    stored_logits = impl != "torch" and need_grads and stored_logits_for(hidden)
+    stored_logits = (
+        impl != "torch"
+        and need_grads
+        and tiles.stores_logits(tiles.ROW_GRADS_VARIANT, hidden.dtype)
+    )
     if impl == "torch":
         logp, entropy, grad_hidden, grad_weight = reference.linear_logprob_row_grads(
             hidden, weight, targets, token_grad,

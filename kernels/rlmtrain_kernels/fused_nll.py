@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import logit_slabs, reference
+from . import logit_slabs, reference, tiles
 from ._backend import resolve_impl
 from .grpo_loss import check_token_tensors
 from .logprob import (
@@ -19,7 +19,6 @@ from .logprob import (
     logprob_forward_triton,
 )
 from .rows import TrainedRows
-from .tiles import stored_logits_for
 
 __all__ = ["fused_linear_nll"]
 
@@ -47,7 +46,7 @@ def _linear_nll_fwd(
             temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
             need_grads=need_grads, need_grad_weight=need_grad_weight,
         )  # fmt: skip
-    elif need_grads and stored_logits_for(hidden):
+    elif need_grads and tiles.stores_logits(tiles.ROW_GRADS_VARIANT, hidden.dtype):
         logp, entropy, grad_hidden, grad_weight = logit_slabs.row_grads(
             hidden, weight, targets, lambda rows, _: grad_logp[rows], temperature=temperature,
             with_entropy=with_entropy, need_grad_hidden=need_grad_hidden,

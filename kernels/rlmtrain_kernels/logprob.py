@@ -206,7 +206,7 @@ def logprob_forward_triton(
     if n == 0:
         empty = hidden.new_empty(0, dtype=torch.float32)
         return empty, empty, empty
-    if tiles.FORWARD_VARIANT == "stored" and hidden.dtype in tiles.STORED_LOGITS_DTYPES:
+    if tiles.stores_logits(tiles.FORWARD_VARIANT, hidden.dtype):
         return logit_slabs.log_probs(
             hidden, weight, targets, temperature=temperature, with_entropy=with_entropy
         )
@@ -289,11 +289,9 @@ def logprob_backward_triton(
     if n == 0 or not (need_grad_hidden or need_grad_weight):
         return grad_hidden, grad_weight
     upstream = (lse.contiguous(), mean_z.contiguous(), g.contiguous(), ge.contiguous())
-    variant = tiles.BACKWARD_VARIANT
-    if variant == "stored" and hidden.dtype not in tiles.STORED_LOGITS_DTYPES:
-        variant = "slabs"  # fp32 keeps the kernels' exact dots
-    if variant in ("slabs", "stored"):
-        slabs = logit_slabs if variant == "stored" else logprob_slabs
+    if tiles.BACKWARD_VARIANT in ("slabs", "stored"):  # fp32 inputs asking "stored" take "slabs"
+        stored = tiles.stores_logits(tiles.BACKWARD_VARIANT, hidden.dtype)
+        slabs = logit_slabs if stored else logprob_slabs
         slabs.accumulate_grads(
             hidden, weight, targets, *upstream, grad_hidden, grad_weight,
             inv_t=1.0 / temperature, with_entropy=with_entropy,

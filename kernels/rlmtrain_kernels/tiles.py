@@ -69,9 +69,10 @@ BACKWARD_VARIANT = "slabs"
 ROW_GRADS_VARIANT = "stored"
 
 
-def stored_logits_for(hidden: torch.Tensor) -> bool:
-    """Whether the fused losses keep each slab's logits for these inputs (ROW_GRADS_VARIANT)."""
-    return ROW_GRADS_VARIANT == "stored" and hidden.dtype in STORED_LOGITS_DTYPES
+def stores_logits(variant: str, dtype: torch.dtype) -> bool:
+    """Whether a variant choice (FORWARD_VARIANT, BACKWARD_VARIANT, ROW_GRADS_VARIANT) takes the
+    stored-logits path for inputs of this dtype: it asks for "stored" and the dtype is 16-bit."""
+    return variant == "stored" and dtype in STORED_LOGITS_DTYPES
 
 
 def tiles_for(device: torch.device, kernel: str, dtype: torch.dtype) -> dict[str, int]:
