@@ -352,10 +352,9 @@ def test_triton_stored_variants_match_fp64_truth(monkeypatch, stored, n, h, v, d
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(logit_slabs, name, spy)
-    if stored in ("forward", "both"):
-        monkeypatch.setattr(tiles, "FORWARD_VARIANT", "stored")
-    if stored in ("backward", "both"):
-        monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "stored")
+    # The other half takes its Triton GEMM variant, whichever the defaults are.
+    monkeypatch.setattr(tiles, "FORWARD_VARIANT", "kernel" if stored == "backward" else "stored")
+    monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "slabs" if stored == "forward" else "stored")
     monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 40 * v * 4)
     check_against_truth("triton", n, h, v, dtype, device)
     expected = {"forward": {"log_probs"}, "backward": {"accumulate_grads"}}

@@ -19,10 +19,11 @@ row passes took 6 of the fused GRPO loss's 60 ms (bench/gpu/NOTES.md). Memory is
 `LOGIT_SLAB_BYTES` of fp32 logits and half that of gradients, whatever N is; no [N, V] tensor
 exists.
 
-The log-prob op itself can run its forward (`log_probs`: steps 1-2) and its backward
+The log-prob op itself runs its forward (`log_probs`: steps 1-2) and its backward
 (`accumulate_grads`: steps 1, 4 and 5, with the entropy's gradient) the same way, in place of the
-Triton GEMM kernels (`tiles.FORWARD_VARIANT`, `tiles.BACKWARD_VARIANT` = "stored"): on an H200
-cuBLAS formed a slab's logits at 720 TFLOP/s where the Triton forward kernel reached 481.
+Triton GEMM kernels (`tiles.FORWARD_VARIANT`, `tiles.BACKWARD_VARIANT` = "stored", the defaults):
+on an H200 cuBLAS formed a slab's logits at 720 TFLOP/s where the Triton forward kernel reached
+500.
 
 Only 16-bit inputs take these paths (`tiles.STORED_LOGITS_DTYPES`): fp32 inputs keep the Triton
 kernels' exact ("ieee") dots. bench/gpu/sweep_tiles.py times every variant.

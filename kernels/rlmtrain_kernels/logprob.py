@@ -10,12 +10,14 @@ per-split (max, sum, sum of e*z) triples are merged by a tiny torch epilogue.
 Backward, three variants (`tiles.BACKWARD_VARIANT`). Each recomputes the logits and forms
 dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z), rounded to the input dtype for the two
 products; no entry is dropped (Cut Cross-Entropy's filter of small gradient blocks is not used).
-"slabs", the default (logprob_slabs.py), writes dz for a bounded slab of rows and finishes dX and
-dW with two matrix products. "atomic" (the kernel here) scatters dX = dz @ W and dW = dz^T @ X
+"stored", the default for 16-bit inputs (logit_slabs.py), forms a slab's logits with a matrix
+product in fp32 and dz in a pass per row, then finishes dX and dW with two matrix products.
+"slabs" (logprob_slabs.py; fp32 inputs take it) writes dz for a bounded slab of rows with a
+Triton GEMM kernel instead. "atomic" (the kernel here) scatters dX = dz @ W and dW = dz^T @ X
 into fp32 buffers with atomic adds, the Cut Cross-Entropy layout, and stores nothing of size V;
-on an H200 it ran 2.5x slower than the slabs at training shapes. "stored" (16-bit inputs,
-logit_slabs.py) forms a slab's logits with a matrix product in fp32 and dz in a pass per row,
-then finishes as "slabs" does. The forward has such a variant too (`tiles.FORWARD_VARIANT`).
+on an H200 it ran 2.5x slower than the slabs at training shapes. The forward has a "stored"
+variant too (`tiles.FORWARD_VARIANT`), the default for 16-bit inputs; the kernel above serves
+fp32 inputs.
 
 Grids are one-dimensional so no axis meets the 65,535 limit of axes 1 and 2; the kernels walk
 them in grouped order (`tiles.grouped_tile`), so that the programs resident at once share a few

@@ -47,10 +47,9 @@ INTERPRETER_TILES: dict[str, dict[str, int]] = {
 GROUP_N = 8
 # How the log-prob forward forms its logits: "kernel" (the Triton GEMM tile with an online
 # log-sum-exp, nothing of size V stored) or, for 16-bit inputs, "stored" (a slab's fp32 logits by
-# a matrix product, then a Triton pass per row; logit_slabs.py). "kernel" is measured (481 TFLOP/s
-# on an H200 at N = 16384, H = 2560); "stored" is predicted from the same run's profile of its two
-# parts (about 20 ms against 26.5) and awaits the sweep (bench/gpu/sweep_tiles.py).
-FORWARD_VARIANT = "kernel"
+# a matrix product, then a Triton pass per row; logit_slabs.py). On an H200 at N = 16384,
+# H = 2560 "stored" took 21.9 ms against the kernel's 25.5 (bench/gpu/NOTES.md, run 3).
+FORWARD_VARIANT = "stored"
 # The "stored" variants take 16-bit inputs only: fp32 inputs keep the kernels' exact ("ieee") dots,
 # which a cuBLAS product does not promise (it may use TF32 where the caller allowed it).
 STORED_LOGITS_DTYPES = (torch.bfloat16, torch.float16)
@@ -58,10 +57,11 @@ STORED_LOGITS_DTYPES = (torch.bfloat16, torch.float16)
 # rows, bounded by logprob_slabs.SLAB_BYTES, then two matrix products finish dX and dW),
 # "atomic" (each logit tile adds its products into fp32 buffers with atomics; nothing of size V
 # is stored) or, for 16-bit inputs, "stored" (the slab's fp32 logits by a matrix product and its
-# gradients by a Triton pass per row, in place of the GEMM kernel; logit_slabs.py). On an H200 the
-# slabs took 62.6 ms against the atomics' 153.7 at N = 16384, H = 2560: the atomics' L2
-# read-modify-write traffic, not the arithmetic, bounds that kernel. "stored" awaits the sweep.
-BACKWARD_VARIANT = "slabs"
+# gradients by a Triton pass per row, in place of the GEMM kernel; logit_slabs.py). On an H200 at
+# N = 16384, H = 2560: stored 60.6 ms, slabs 62.1-63.4, atomic 153.7-155.6; the atomics' L2
+# read-modify-write traffic, not the arithmetic, bounds that kernel. fp32 inputs asking for
+# "stored" take "slabs".
+BACKWARD_VARIANT = "stored"
 # How the fused losses (GRPO, NLL) get their gradients for 16-bit inputs: "stored" (each slab's
 # logits formed once, kept in fp32 and reused for the gradients: 6·N·H·V; logit_slabs.py) or
 # "recompute" (the log-prob forward, then the backward recomputing the logits: 8·N·H·V). On an
