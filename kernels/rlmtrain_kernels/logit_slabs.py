@@ -137,8 +137,28 @@ def _row_dlogits_kernel(
         )
 
 
-def _slab_rows(n: int, v: int) -> int:
-    return max(1, min(n, LOGIT_SLAB_BYTES // (4 * v)))
+def _slabs(n: int, most_rows: int) -> list[slice]:
+    """Rows [0, n) in as few slabs of at most `most_rows` as there can be, as even as they can be
+    (no thin last slab paying a whole dW read-modify-write for a few rows), the larger ones last:
+    a buffer that holds the last slab holds every other."""
+    if n == 0:
+        return []
+    count = -(-n // most_rows)
+    small, larger = divmod(n, count)
+    bounds, start = [], 0
+    for i in range(count):
+        rows = small + (i >= count - larger)
+        bounds.append(slice(start, start + rows))
+        start += rows
+    return bounds
+
+
+def _slab_cap(v: int) -> int:
+    return max(1, LOGIT_SLAB_BYTES // (4 * v))
+
+
+def _most_rows(slabs: list[slice]) -> int:
+    return max((s.stop - s.start for s in slabs), default=0)
 
 
 def _row_launch(v: int) -> dict[str, int]:
@@ -180,18 +200,24 @@ def log_probs(
     *,
     temperature: float,
     with_entropy: bool,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp [N], entropy [N] or [0], lse [N]), fp32; rows whose target is outside [0, V) (an
-    ignore_index) get log-prob and entropy 0."""
+    ignore_index) get log-prob and entropy 0.
+
+    `logits` [R, V] fp32, if given, is the slab buffer (slabs of at most R rows, R >= 1): on
+    return it holds the last slab's logits, for `accumulate_grads(kept_logits=logits)`."""
     n, v = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
     entropy = torch.empty(n if with_entropy else 0, **f32)
-    slab_rows = _slab_rows(n, v)
-    logits = torch.empty(slab_rows, v, **f32)
-    for r0 in range(0, n, slab_rows):
-        rows = slice(r0, min(r0 + slab_rows, n))
-        z = logits[: rows.stop - r0]
+    slabs = _slabs(n, _slab_cap(v) if logits is None else logits.shape[0])
+    if logits is None:
+        logits = torch.empty(_most_rows(slabs), v, **f32)
+    else:  # a buffer the caller holds on to: no uninitialised rows in it
+        logits[_most_rows(slabs) :].zero_()
+    for rows in slabs:
+        z = logits[: rows.stop - rows.start]
         _slab_logits(hidden[rows], weight, z)
         _slab_stats(
             z, targets[rows], logp[rows], lse[rows], entropy[rows] if with_entropy else None,
@@ -233,19 +259,29 @@ def accumulate_grads(
     *,
     inv_t: float,
     with_entropy: bool,
+    kept_logits: torch.Tensor | None = None,
 ) -> None:
     """The log-prob op's backward, `logprob_slabs.accumulate_grads`'s contract: fill grad_hidden
     [N, H] fp32 and add into grad_weight [V, H] fp32 (either may be None) from the per-row
-    upstream coefficients (g, g_H, lse, E_p[z]; g and g_H already 0 on ignored rows)."""
+    upstream coefficients (g, g_H, lse, E_p[z]; g and g_H already 0 on ignored rows).
+
+    `kept_logits` is the buffer a `log_probs(logits=...)` over these rows filled: it holds the
+    logits of their last slab, which goes first and skips its matrix product; the other slabs'
+    logits then overwrite it."""
     n, v = hidden.shape[0], weight.shape[0]
-    slab_rows = _slab_rows(n, v)
-    logits = torch.empty(slab_rows, v, dtype=torch.float32, device=hidden.device)
-    dlogits = torch.empty(slab_rows, v, dtype=hidden.dtype, device=hidden.device)
-    for r0 in range(0, n, slab_rows):
-        rows = slice(r0, min(r0 + slab_rows, n))
+    if kept_logits is not None and n:
+        kept = _slabs(n, kept_logits.shape[0])[-1]
+        slabs = [kept, *_slabs(kept.start, kept_logits.shape[0])]
+        logits = kept_logits
+    else:
+        kept, slabs = None, _slabs(n, _slab_cap(v))
+        logits = torch.empty(_most_rows(slabs), v, dtype=torch.float32, device=hidden.device)
+    dlogits = torch.empty(_most_rows(slabs), v, dtype=hidden.dtype, device=hidden.device)
+    for rows in slabs:
         x = hidden[rows]
         z, dz = logits[: x.shape[0]], dlogits[: x.shape[0]]
-        _slab_logits(x, weight, z)
+        if rows is not kept:
+            _slab_logits(x, weight, z)
         _slab_dlogits(
             z, dz, targets[rows], lse[rows], mean_z[rows], g[rows], ge[rows], inv_t, with_entropy
         )
@@ -275,15 +311,15 @@ def row_grads(
     v = weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     inv_t = 1.0 / temperature
-    slab_rows = _slab_rows(n, v)
+    slabs = _slabs(n, _slab_cap(v))
+    slab_rows = _most_rows(slabs)
     logits = torch.empty(slab_rows, v, **f32)
     dlogits = torch.empty(slab_rows, v, dtype=hidden.dtype, device=hidden.device)
     logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
     entropy = torch.empty(n if with_entropy else 0, **f32)
     grad_hidden = torch.empty(n, h, **f32) if need_grad_hidden else None
     grad_weight = torch.zeros(v, h, **f32) if need_grad_weight else None
-    for r0 in range(0, n, slab_rows):
-        rows = slice(r0, min(r0 + slab_rows, n))
+    for rows in slabs:
         x = hidden[rows]
         z, dz = logits[: x.shape[0]], dlogits[: x.shape[0]]
         _slab_logits(x, weight, z)

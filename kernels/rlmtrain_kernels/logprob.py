@@ -200,9 +200,11 @@ def logprob_forward_triton(
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
+    logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp [N], entropy [N] or [0], lse [N]), fp32, by the Triton forward kernel, or from
-    stored logit slabs (`tiles.FORWARD_VARIANT`)."""
+    stored logit slabs (`tiles.FORWARD_VARIANT`). `logits` is the stored path's slab buffer, if
+    the caller keeps it for the backward (`logit_slabs.log_probs`); the kernel leaves it unread."""
     n, h = hidden.shape
     v = weight.shape[0]
     if n == 0:
@@ -210,8 +212,9 @@ def logprob_forward_triton(
         return empty, empty, empty
     if tiles.stores_logits(tiles.FORWARD_VARIANT, hidden.dtype):
         return logit_slabs.log_probs(
-            hidden, weight, targets, temperature=temperature, with_entropy=with_entropy
-        )
+            hidden, weight, targets, temperature=temperature, with_entropy=with_entropy,
+            logits=logits,
+        )  # fmt: skip
     cfg = tiles.tiles_for(hidden.device, "forward", hidden.dtype)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
@@ -274,10 +277,12 @@ def logprob_backward_triton(
     ignore_index: int,
     need_grad_hidden: bool,
     need_grad_weight: bool,
+    kept_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dHidden [N, H] fp32 or None, dWeight [V, H] fp32 or None) by the Triton backward
     (`tiles.BACKWARD_VARIANT`: logit-gradient slabs, the atomic tile kernel, or slabs from
-    stored logits)."""
+    stored logits, which take the forward's `kept_logits` in place of forming those again and
+    overwrite them; the other variants leave them unread)."""
     n, h = hidden.shape
     v = weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
@@ -292,12 +297,17 @@ def logprob_backward_triton(
         return grad_hidden, grad_weight
     upstream = (lse.contiguous(), mean_z.contiguous(), g.contiguous(), ge.contiguous())
     if tiles.BACKWARD_VARIANT in ("slabs", "stored"):  # fp32 inputs asking "stored" take "slabs"
-        stored = tiles.stores_logits(tiles.BACKWARD_VARIANT, hidden.dtype)
-        slabs = logit_slabs if stored else logprob_slabs
-        slabs.accumulate_grads(
-            hidden, weight, targets, *upstream, grad_hidden, grad_weight,
-            inv_t=1.0 / temperature, with_entropy=with_entropy,
-        )  # fmt: skip
+        inv_t = 1.0 / temperature
+        if tiles.stores_logits(tiles.BACKWARD_VARIANT, hidden.dtype):
+            logit_slabs.accumulate_grads(
+                hidden, weight, targets, *upstream, grad_hidden, grad_weight,
+                inv_t=inv_t, with_entropy=with_entropy, kept_logits=kept_logits,
+            )  # fmt: skip
+        else:
+            logprob_slabs.accumulate_grads(
+                hidden, weight, targets, *upstream, grad_hidden, grad_weight,
+                inv_t=inv_t, with_entropy=with_entropy,
+            )  # fmt: skip
         return grad_hidden, grad_weight
     cfg = tiles.tiles_for(hidden.device, "backward", hidden.dtype)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
@@ -330,6 +340,14 @@ def logprob_backward_triton(
     return grad_hidden, grad_weight
 
 
+def _kept_logits_rows(n: int, v: int, dtype: torch.dtype, keep_logits: bool, impl: str) -> int:
+    """Rows of the logit buffer the forward keeps for the backward: one slab's worth, when a
+    backward is coming and the forward stores logit slabs; else 0. A function of the shapes
+    alone (not of the count of trained rows), so that the fake kernel states it too."""
+    stored = impl == "triton" and tiles.stores_logits(tiles.FORWARD_VARIANT, dtype)
+    return min(n, logit_slabs._slab_cap(v)) if keep_logits and stored else 0
+
+
 @torch.library.custom_op("rlmtrain_kernels::linear_logprob_fwd", mutates_args=())
 def _linear_logprob_fwd(
     hidden: torch.Tensor,
@@ -338,39 +356,49 @@ def _linear_logprob_fwd(
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
+    keep_logits: bool,
     impl: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    forward = logprob_forward_triton if impl == "triton" else reference.linear_logprob_forward
-    rows = TrainedRows(targets, ignore_index, weight.shape[0])
-    logp, entropy, lse = forward(
-        rows.take(hidden),
-        weight,
-        rows.take(targets),
-        temperature=temperature,
-        ignore_index=ignore_index,
-        with_entropy=with_entropy,
-    )
-    return rows.put(logp), rows.put(entropy) if with_entropy else entropy, rows.put(lse)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, entropy, lse, kept): `kept` [R, V] fp32 is the stored path's slab buffer, left
+    holding the logits of the last slab of trained rows for the backward (R = 0: nothing kept)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    kept_rows = _kept_logits_rows(n, v, hidden.dtype, keep_logits, impl)
+    rows = TrainedRows(targets, ignore_index, v)
+    # An op's output holds no uninitialised memory: the forward fills the buffer (or zeroes
+    # the rows it does not use) unless no row is trained.
+    empty = hidden.new_zeros if rows.count == 0 else hidden.new_empty
+    kept = empty(kept_rows, v, dtype=torch.float32)
+    trained = (rows.take(hidden), weight, rows.take(targets))
+    options = dict(temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy)
+    if impl == "triton":
+        logp, entropy, lse = logprob_forward_triton(
+            *trained, **options, logits=kept if kept_rows else None
+        )
+    else:
+        logp, entropy, lse = reference.linear_logprob_forward(*trained, **options)
+    return rows.put(logp), rows.put(entropy) if with_entropy else entropy, rows.put(lse), kept
 
 
 @_linear_logprob_fwd.register_fake
-def _(hidden, weight, targets, temperature, ignore_index, with_entropy, impl):
-    n = hidden.shape[0]
+def _(hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl):
+    n, v = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     return (
         hidden.new_empty(n, **f32),
         hidden.new_empty(n if with_entropy else 0, **f32),
         hidden.new_empty(n, **f32),
+        hidden.new_empty(_kept_logits_rows(n, v, hidden.dtype, keep_logits, impl), v, **f32),
     )
 
 
-@torch.library.custom_op("rlmtrain_kernels::linear_logprob_bwd", mutates_args=())
+@torch.library.custom_op("rlmtrain_kernels::linear_logprob_bwd", mutates_args=("kept_logits",))
 def _linear_logprob_bwd(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
     lse: torch.Tensor,
     entropy: torch.Tensor,
+    kept_logits: torch.Tensor,
     grad_logp: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     temperature: float,
@@ -393,6 +421,7 @@ def _linear_logprob_bwd(
         grad_hidden, grad_weight = logprob_backward_triton(
             *trained, temperature=temperature, ignore_index=ignore_index,
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight,
+            kept_logits=kept_logits if kept_logits.shape[0] else None,
         )  # fmt: skip
     else:
         grad_hidden, grad_weight = reference.linear_logprob_backward(
@@ -408,8 +437,8 @@ def _linear_logprob_bwd(
 
 
 @_linear_logprob_bwd.register_fake
-def _(hidden, weight, targets, lse, entropy, grad_logp, grad_entropy, temperature, ignore_index,
-      need_grad_hidden, need_grad_weight, impl):  # fmt: skip
+def _(hidden, weight, targets, lse, entropy, kept_logits, grad_logp, grad_entropy, temperature,
+      ignore_index, need_grad_hidden, need_grad_weight, impl):  # fmt: skip
     return (
         hidden.new_empty(hidden.shape if need_grad_hidden else (0,)),
         weight.new_empty(weight.shape if need_grad_weight else (0,)),
@@ -417,14 +446,27 @@ def _(hidden, weight, targets, lse, entropy, grad_logp, grad_entropy, temperatur
 
 
 class LinearLogprobFunction(torch.autograd.Function):
-    """Differentiates (logp, entropy) w.r.t. hidden and weight by recomputing logit tiles."""
+    """Differentiates (logp, entropy) w.r.t. hidden and weight by forming the logits again in the
+    backward, slab by slab.
+
+    When a gradient is wanted and the forward stores logit slabs, the forward keeps its last slab
+    (at most `logit_slabs.LOGIT_SLAB_BYTES` of fp32 logits) and the first backward uses it in
+    place of that slab's matrix product, then writes over it as its working buffer: the
+    backward's peak memory is unchanged, and that one slab stays allocated from the forward until
+    the backward (or until the graph is freed without one). A second backward through a
+    retained graph forms every slab again."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, ignore_index, with_entropy, impl):
-        logp, entropy, lse = _linear_logprob_fwd(
-            hidden, weight, targets, temperature, ignore_index, with_entropy, impl
+    def forward(
+        ctx, hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl
+    ):
+        logp, entropy, lse, kept = _linear_logprob_fwd(
+            hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl
         )
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        # Not a saved tensor: the backward overwrites it, and a retained graph must then not
+        # hand it to a second backward as if it still held logits.
+        ctx.kept_logits = kept
         ctx.options = (temperature, ignore_index, impl)
         ctx.with_entropy = with_entropy
         ctx.set_materialize_grads(False)
@@ -433,6 +475,8 @@ class LinearLogprobFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        kept = ctx.kept_logits
+        ctx.kept_logits = kept.new_empty(0, kept.shape[1])
         temperature, ignore_index, impl = ctx.options
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden, grad_weight = _linear_logprob_bwd(
@@ -441,6 +485,7 @@ class LinearLogprobFunction(torch.autograd.Function):
             targets,
             lse,
             entropy,
+            kept,
             grad_logp,
             grad_entropy if ctx.with_entropy else None,
             temperature,
@@ -452,6 +497,7 @@ class LinearLogprobFunction(torch.autograd.Function):
         return (
             grad_hidden if need_hidden else None,
             grad_weight if need_weight else None,
+            None,
             None,
             None,
             None,
@@ -530,6 +576,9 @@ def fused_linear_logprob(
         float(temperature),
         int(ignore_index),
         bool(return_entropy),
+        # A forward whose backward is coming keeps one slab of logits for it (the Function's
+        # docstring); needs_input_grad cannot tell, being set under no_grad too.
+        torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
         backend,
     )
     return (logp, entropy) if return_entropy else logp
