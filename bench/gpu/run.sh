@@ -3,14 +3,15 @@
 # (step limits 595 s, plus start-up and up to 10 s of grace per step; run 2 took 328 s in all):
 # the card's two ceilings, the CUDA halves of the kernel and model tests, a tile sweep at the
 # training shape, then bench/bench_kernels.py's CUDA part with the sweep's winners (the key
-# shapes first), the fused GRPO loss's variants and kernel profile (bench/gpu/profile_grpo.py),
+# shapes first), the fused GRPO loss's and the log-prob op's variants and kernel profiles
+# (bench/gpu/profile_head.py),
 # a table, the Qwen3-0.6B-shaped model's packed forward+backward rate (bench/bench_model.py), and
 # last the trainer's GRPO step on that model on the one GPU (bench/gpu/train_step.py).
 #
 # Prepare here: `bash bench/gpu/fetch_wheels.sh` (peers and msgspec into .whl/). Then, through the
 # device tool: command `bash bench/gpu/run.sh`, carry [".whl"], timeout_s 600. Logs and JSON
-# (ceilings.json, tests.log, tiles.json, sweep.log, bench-{key,rest}.{log,json}, profile.{log,json},
-# model.{log,json}, train-step.log)
+# (ceilings.json, tests.log, tiles.json, sweep.log, bench-{key,rest}.{log,json},
+# profile-{grpo,logprob}.{log,json}, model.{log,json}, train-step.log)
 # are written to $LOGS and packed into $OUT/gpu-run.tgz at every step, so a run cut short still
 # returns what its finished steps wrote, as one file (the device returns at most 8).
 set -uo pipefail
@@ -48,7 +49,8 @@ limit 120 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collecti
     tests/test_kernels_logprob.py \
     tests/test_kernels_fused.py tests/test_kernels_grpo.py tests/test_kernels_rows.py \
     tests/test_model_packed.py tests/test_weight_buckets.py tests/test_kernels_old_logp_none.py \
-    tests/test_shared_prefix.py tests/test_kernels_logit_slabs.py >"$LOGS/tests.log" 2>&1
+    tests/test_shared_prefix.py tests/test_kernels_logit_slabs.py tests/test_kernels_kept_logits.py \
+    >"$LOGS/tests.log" 2>&1
 tail -n 15 "$LOGS/tests.log"
 
 step "tile sweep at N=16384 H=2560"
@@ -69,10 +71,13 @@ bench() {  # name, seconds, -k expression
 }
 bench bench-key 120 "16384 or grpo_loss_alone"
 
-step "fused GRPO loss: variants, slab sizes, kernels"
-limit 60 python3 bench/gpu/profile_grpo.py --out "$LOGS/profile.json" >"$LOGS/profile.log" 2>&1
-grep -E "^grpo|Error" "$LOGS/profile.log"
-sed -n '/^---/,$p' "$LOGS/profile.log" | cut -c1-150 | head -n 18
+step "fused GRPO loss and log-prob op: variants, slab sizes, kernels"
+for op in grpo logprob; do
+    limit 60 python3 bench/gpu/profile_head.py --op $op --out "$LOGS/profile-$op.json" \
+        >"$LOGS/profile-$op.log" 2>&1
+    grep -E "^(grpo|logprob)|Error" "$LOGS/profile-$op.log"
+    sed -n '/^---/,$p' "$LOGS/profile-$op.log" | cut -c1-150 | head -n 20
+done
 
 step "benchmarks at the other shapes"
 bench bench-rest 40 "not 16384 and not grpo_loss_alone"
