@@ -114,6 +114,20 @@ def test_frozen_head_and_no_grad(impl):
     torch.testing.assert_close(loss3, loss.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_differentiable_upstream_scale_keeps_its_gradient(impl):
+    """The backward scales the stored gradients by the upstream gradient; when that is itself
+    differentiable (a loss scaled by a learned factor, differentiated with create_graph), the
+    scaled gradient must carry its graph: d(dLoss*s/dx)/ds = dLoss/dx."""
+    hidden, weight, targets, tok = make_batch(9, 16, 300)
+    x, s = hidden.clone().requires_grad_(), torch.tensor(1.5, requires_grad=True)
+    args = (targets, tok["old_logp"], tok["advantages"], tok["weights"])
+    loss, _ = fused_linear_grpo_loss(x, weight, *args, impl=impl)
+    (dx,) = torch.autograd.grad(loss * s, (x,), create_graph=True)
+    (ds,) = torch.autograd.grad(dx.sum(), (s,))
+    torch.testing.assert_close(ds, (dx / s).sum().detach(), rtol=1e-5, atol=1e-6)
+
+
 # --- Peer check: Liger-Kernel's LigerFusedLinearGRPOLoss ----------------------------------------
 #
 # Liger takes padded [B, T] inputs and one advantage per sequence; we take packed [N] tokens and

@@ -1,6 +1,7 @@
 """The log-prob op's forward keeps its last slab of stored logits for the backward: one matrix
-product fewer, the same gradients, nothing kept where no backward can come, nothing held after
-the backward, and a retained graph's second backward forming every slab again."""
+product fewer, the same gradients, a buffer of that slab's rows and no more, nothing kept where
+no backward can come or under torch.compile, nothing held after the backward, and a retained
+graph's second backward forming every slab again."""
 
 import weakref
 
@@ -12,7 +13,7 @@ from rlmtrain_kernels.logprob import _linear_logprob_bwd, _linear_logprob_fwd
 
 IGNORE = -100
 N, H, V = 150, 24, 1100
-SLAB_ROWS = 40  # 135 trained rows: slabs of 33, 34, 34 and 34
+SLAB_ROWS = 40  # 135 trained rows: slabs of 33, 34, 34 and 34, and a kept buffer of 34
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def test_backward_takes_the_kept_slab_and_a_second_backward_forms_it_again(store
         hidden, weight, targets, return_entropy=True, impl="triton"
     )
     assert formed == [33, 34, 34, 34]
-    assert kept[0]() is not None and kept[0]().shape == (SLAB_ROWS, V)
+    assert kept[0]() is not None and kept[0]().shape == (34, V)
     formed.clear()
     first = torch.autograd.grad(
         (logp, entropy), (hidden, weight), (g, g_entropy), retain_graph=True
@@ -95,6 +96,18 @@ def test_a_forward_with_no_backward_to_come_keeps_nothing(stored, why):
     assert kept == [None]
 
 
+def test_no_trained_row_keeps_an_empty_buffer(stored):
+    hidden, weight, targets, _ = inputs()
+    targets = torch.full_like(targets, IGNORE)
+    _, _, _, kept = _linear_logprob_fwd(
+        hidden.detach(), weight.detach(), targets, 1.0, IGNORE, False, True, "triton"
+    )
+    assert kept.shape == (0, V)
+    logp = fused_linear_logprob(hidden, weight, targets, impl="triton")
+    grads = torch.autograd.grad(logp.sum(), (hidden, weight))
+    assert all(not g.any() for g in grads)
+
+
 def test_ops_schemas_fakes_and_the_declared_mutation(stored):
     hidden, weight, targets, (g, _) = inputs()
     hidden, weight = hidden.detach(), weight.detach()
@@ -104,7 +117,7 @@ def test_ops_schemas_fakes_and_the_declared_mutation(stored):
     _, _, lse, kept = _linear_logprob_fwd(
         hidden, weight, targets, 1.0, IGNORE, False, True, "triton"
     )
-    assert kept.shape == (SLAB_ROWS, V)
+    assert kept.shape == (34, V)
     torch.library.opcheck(
         _linear_logprob_bwd,
         (
@@ -125,7 +138,10 @@ def test_ops_schemas_fakes_and_the_declared_mutation(stored):
     )
 
 
-def test_compiled_step_equals_eager(stored):
+def test_compiled_step_keeps_nothing_and_equals_eager(stored):
+    """A compiled graph would copy the kept slab (the backward writes into it), so it keeps none
+    and forms every slab in the backward."""
+    formed, kept = stored
     hidden, weight, targets, (g, g_entropy) = inputs()
 
     def step(x, w):
@@ -136,7 +152,9 @@ def test_compiled_step_equals_eager(stored):
     results = []
     for fn in (step, compiled):
         x, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        formed.clear()
         out = fn(x, w)
         results.append((out, *torch.autograd.grad(out, (x, w))))
+    assert kept[-1] is None and formed == [33, 34, 34, 34] * 2
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -6,8 +6,9 @@ forward (as Liger's chunked losses do) and the backward only scales them by the 
 The torch backend thereby reuses each row block's logit tile (6·N·H·V FLOPs, as unfused autograd,
 against 8·N·H·V for forward-then-recompute), and so does the Triton backend on 16-bit inputs: a
 slab's logits are formed once in fp32 and kept for its gradients (logit_slabs.py). On fp32 inputs,
-or with `tiles.ROW_GRADS_VARIANT = "recompute"`, it runs the log-prob forward kernel, the
-elementwise GRPO kernel and the log-prob backward (which recomputes the logits) back to back.
+or with `tiles.ROW_GRADS_VARIANT = "recompute"`, it runs the log-prob forward (its
+`tiles.FORWARD_VARIANT`), the elementwise GRPO kernel and the log-prob backward (which forms the
+logits again) back to back.
 No [N, V] tensor exists on any path. When no gradient is wanted (no_grad, frozen inputs) nothing
 beyond the loss is computed.
 
@@ -178,7 +179,11 @@ class LinearGRPOLossFunction(torch.autograd.Function):
 def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """grad * scale in `dtype`, one pass over the fp32 gradient: the product is rounded as it
     is written. A multiply, then a cast, writes and reads the fp32 dW once more; on an H200 the
-    two took 1.9 ms of the loss's 65 at V = 151936, H = 2560 (bench/gpu/NOTES.md, run 4)."""
+    two took 1.9 ms of the loss's 65 at V = 151936, H = 2560 (bench/gpu/NOTES.md, run 4). A
+    double backward (the scale itself differentiable) takes the two steps, which autograd can
+    differentiate and an `out=` product cannot."""
+    if torch.is_grad_enabled() and scale.requires_grad:
+        return (grad * scale).to(dtype)
     return torch.mul(grad, scale, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
 
 

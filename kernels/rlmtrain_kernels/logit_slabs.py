@@ -157,6 +157,13 @@ def _slab_cap(v: int) -> int:
     return max(1, LOGIT_SLAB_BYTES // (4 * v))
 
 
+def slab_buffer_rows(n: int, v: int) -> int:
+    """Rows of the fp32 logit buffer `log_probs` and `accumulate_grads` use over n rows: their
+    largest slab (0 for no rows). A buffer of exactly these rows, passed to `log_probs`, is
+    split into the same slabs and has no row left unused."""
+    return _most_rows(_slabs(n, _slab_cap(v)))
+
+
 def _most_rows(slabs: list[slice]) -> int:
     return max((s.stop - s.start for s in slabs), default=0)
 
@@ -205,8 +212,9 @@ def log_probs(
     """(logp [N], entropy [N] or [0], lse [N]), fp32; rows whose target is outside [0, V) (an
     ignore_index) get log-prob and entropy 0.
 
-    `logits` [R, V] fp32, if given, is the slab buffer (slabs of at most R rows, R >= 1): on
-    return it holds the last slab's logits, for `accumulate_grads(kept_logits=logits)`."""
+    `logits` [R, V] fp32, if given, is the slab buffer (slabs of at most R rows; R is
+    `slab_buffer_rows(N, V)`): on return it holds the last slab's logits, for
+    `accumulate_grads(kept_logits=logits)`."""
     n, v = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
@@ -214,8 +222,6 @@ def log_probs(
     slabs = _slabs(n, _slab_cap(v) if logits is None else logits.shape[0])
     if logits is None:
         logits = torch.empty(_most_rows(slabs), v, **f32)
-    else:  # a buffer the caller holds on to: no uninitialised rows in it
-        logits[_most_rows(slabs) :].zero_()
     for rows in slabs:
         z = logits[: rows.stop - rows.start]
         _slab_logits(hidden[rows], weight, z)

@@ -7,7 +7,8 @@ log-sum-exp per row: running max from -inf, padded vocabulary columns masked to 
 exp(-inf) = 0, never exp(0). Splitting the vocabulary keeps the GPU busy when N is small; the
 per-split (max, sum, sum of e*z) triples are merged by a tiny torch epilogue.
 
-Backward, three variants (`tiles.BACKWARD_VARIANT`). Each recomputes the logits and forms
+Backward, three variants (`tiles.BACKWARD_VARIANT`). Each forms the logits again (but for the
+slab a stored forward kept: `LinearLogprobFunction`) and from them
 dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z), rounded to the input dtype for the two
 products; no entry is dropped (Cut Cross-Entropy's filter of small gradient blocks is not used).
 "stored", the default for 16-bit inputs (logit_slabs.py), forms a slab's logits with a matrix
@@ -340,14 +341,6 @@ def logprob_backward_triton(
     return grad_hidden, grad_weight
 
 
-def _kept_logits_rows(n: int, v: int, dtype: torch.dtype, keep_logits: bool, impl: str) -> int:
-    """Rows of the logit buffer the forward keeps for the backward: one slab's worth, when a
-    backward is coming and the forward stores logit slabs; else 0. A function of the shapes
-    alone (not of the count of trained rows), so that the fake kernel states it too."""
-    stored = impl == "triton" and tiles.stores_logits(tiles.FORWARD_VARIANT, dtype)
-    return min(n, logit_slabs._slab_cap(v)) if keep_logits and stored else 0
-
-
 @torch.library.custom_op("rlmtrain_kernels::linear_logprob_fwd", mutates_args=())
 def _linear_logprob_fwd(
     hidden: torch.Tensor,
@@ -360,14 +353,14 @@ def _linear_logprob_fwd(
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy, lse, kept): `kept` [R, V] fp32 is the stored path's slab buffer, left
-    holding the logits of the last slab of trained rows for the backward (R = 0: nothing kept)."""
-    n, v = hidden.shape[0], weight.shape[0]
-    kept_rows = _kept_logits_rows(n, v, hidden.dtype, keep_logits, impl)
+    holding the logits of the last slab of trained rows for the backward (R = 0: nothing kept,
+    which is also what a forward without `keep_logits` or without stored slabs returns)."""
+    v = weight.shape[0]
     rows = TrainedRows(targets, ignore_index, v)
-    # An op's output holds no uninitialised memory: the forward fills the buffer (or zeroes
-    # the rows it does not use) unless no row is trained.
-    empty = hidden.new_zeros if rows.count == 0 else hidden.new_empty
-    kept = empty(kept_rows, v, dtype=torch.float32)
+    kept_rows = (
+        logit_slabs.slab_buffer_rows(rows.count, v) if _keeps(hidden, keep_logits, impl) else 0
+    )
+    kept = hidden.new_empty(kept_rows, v, dtype=torch.float32)
     trained = (rows.take(hidden), weight, rows.take(targets))
     options = dict(temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy)
     if impl == "triton":
@@ -379,15 +372,27 @@ def _linear_logprob_fwd(
     return rows.put(logp), rows.put(entropy) if with_entropy else entropy, rows.put(lse), kept
 
 
+def _keeps(hidden: torch.Tensor, keep_logits: bool, impl: str) -> bool:
+    """Whether the forward keeps a logit slab: asked to, and its forward stores slabs."""
+    return (
+        keep_logits
+        and impl == "triton"
+        and tiles.stores_logits(tiles.FORWARD_VARIANT, hidden.dtype)
+    )
+
+
 @_linear_logprob_fwd.register_fake
 def _(hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl):
     n, v = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
+    # The kept slab's rows follow the count of trained rows, a data-dependent size.
+    keeps = _keeps(hidden, keep_logits, impl)
+    kept_rows = torch.library.get_ctx().new_dynamic_size() if keeps else 0
     return (
         hidden.new_empty(n, **f32),
         hidden.new_empty(n if with_entropy else 0, **f32),
         hidden.new_empty(n, **f32),
-        hidden.new_empty(_kept_logits_rows(n, v, hidden.dtype, keep_logits, impl), v, **f32),
+        hidden.new_empty(kept_rows, v, **f32),
     )
 
 
@@ -446,15 +451,17 @@ def _(hidden, weight, targets, lse, entropy, kept_logits, grad_logp, grad_entrop
 
 
 class LinearLogprobFunction(torch.autograd.Function):
-    """Differentiates (logp, entropy) w.r.t. hidden and weight by forming the logits again in the
+    """Differentiates (logp, entropy) w.r.t. hidden and weight, forming the logits again in the
     backward, slab by slab.
 
-    When a gradient is wanted and the forward stores logit slabs, the forward keeps its last slab
-    (at most `logit_slabs.LOGIT_SLAB_BYTES` of fp32 logits) and the first backward uses it in
-    place of that slab's matrix product, then writes over it as its working buffer: the
-    backward's peak memory is unchanged, and that one slab stays allocated from the forward until
-    the backward (or until the graph is freed without one). A second backward through a
-    retained graph forms every slab again."""
+    With `keep_logits` (`fused_linear_logprob` sets it when a backward can come: grad mode on,
+    an input that requires grad, not under torch.compile) a forward that stores logit slabs
+    keeps its last one, at most `logit_slabs.LOGIT_SLAB_BYTES` of fp32 logits, for the first
+    backward: that backward takes it in place of the slab's matrix product and then uses it as
+    its working buffer, the one it would otherwise allocate. The slab is held from the forward
+    to the backward (or until the graph is freed without one); being a ctx attribute and not a
+    saved tensor, it is neither freed by activation checkpointing nor moved by saved-tensor
+    hooks. A second backward through a retained graph forms every slab again."""
 
     @staticmethod
     def forward(
@@ -576,9 +583,12 @@ def fused_linear_logprob(
         float(temperature),
         int(ignore_index),
         bool(return_entropy),
-        # A forward whose backward is coming keeps one slab of logits for it (the Function's
-        # docstring); needs_input_grad cannot tell, being set under no_grad too.
-        torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad),
+        # A forward whose backward can come keeps one slab of logits for it (the Function's
+        # docstring); needs_input_grad cannot tell, being set under no_grad too. Compiled
+        # graphs keep none: they would copy the slab to honour the backward's write into it.
+        torch.is_grad_enabled()
+        and (hidden.requires_grad or weight.requires_grad)
+        and not torch.compiler.is_compiling(),
         backend,
     )
     return (logp, entropy) if return_entropy else logp
