@@ -6,8 +6,8 @@ be 0, so every op gathers the rows it trains on, runs the head over those alone 
 per-row results back. The head's cost then follows the trained tokens, not the packed ones, and
 whatever an ignored row holds (padding, garbage, inf) can never reach a result or a gradient.
 
-Checking the ids and counting the rows are two host syncs per op call on CUDA; inside a custom
-op they are invisible to torch.compile.
+Checking the ids and counting the rows take one host sync per op call on CUDA (the GPU idles
+from it until the host launches again); inside a custom op it is invisible to torch.compile.
 """
 
 from __future__ import annotations
@@ -25,17 +25,21 @@ class TrainedRows:
         # An id past the head (a tokenizer larger than the model's vocabulary, say) would
         # otherwise get a log-prob of -lse, silently.
         outside = trained & ((targets < 0) | (targets >= vocab))
-        if bool(outside.any()):
+        # Both counts in one transfer: the op's only synchronisation.
+        count, outside_count = torch.stack([trained.sum(), outside.sum()]).tolist()
+        if outside_count:
             row = int(outside.nonzero()[0, 0])
             raise ValueError(
                 f"targets must be token ids in [0, {vocab}) or ignore_index={ignore_index}; "
                 f"row {row} holds {int(targets[row])}"
             )
         self.total = targets.shape[0]
-        index = trained.nonzero().squeeze(1)
-        # All rows trained (the common case of unpacked losses): no copies at all.
-        self.index = None if index.numel() == self.total else index
-        self.count = self.total if self.index is None else index.numel()
+        self.count = count
+        # All rows trained (the common case of unpacked losses): no copies at all. Otherwise the
+        # count is known, so finding the rows needs no second synchronisation.
+        self.index = (
+            None if count == self.total else torch.nonzero_static(trained, size=count).squeeze(1)
+        )
 
     def take(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """The trained rows of a per-row tensor [N, ...] (None passes through)."""
