@@ -20,7 +20,7 @@ Triton vs full logits vs Liger vs Cut Cross-Entropy (when installed): forward, b
 both, TFLOP/s on the nominal counts 2·N·H·V forward and 6·N·H·V backward (logits recomputed),
 the same for every implementation, % of the dense bf16 peak (the datasheet's and the measured
 matmul rate's), peak memory above inputs and gradients (torch.cuda peak stats); the GRPO loss
-alone in GB/s. `BENCH_TILES_JSON=file` runs the Triton kernels with the tile shapes a sweep
+alone in GB/s, per call and (replayed from a CUDA graph) for its kernels alone. `BENCH_TILES_JSON=file` runs the Triton kernels with the tile shapes a sweep
 and backward variant a sweep chose (bench/gpu/sweep_tiles.py); every figure records them.
 bench/gpu/run.sh runs all of it on a GPU machine in one call.
 """
@@ -408,18 +408,35 @@ def test_cuda_fused_grpo_forward_backward(benchmark, cuda_tiles, impl, n, h):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("impl", ["triton", "torch", "triton-graph"])
 @pytest.mark.parametrize("n", [1 << 20, 1 << 24])
 def test_cuda_grpo_loss_alone(benchmark, impl, n):
+    """A call's wall time, host work included; "triton-graph" replays one call captured in a
+    CUDA graph, so its figure is the kernels' alone."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens = [torch.randn(n, generator=gen, device="cuda") - 3 for _ in range(6)]
     logp, old, adv, w, ref, sampler = tokens
 
-    def run():
+    def call():
         grpo_loss(
             logp, old, adv, w, ref_logp=ref, beta=0.01, sampler_logp=sampler, tis_cap=2.0,
-            dual_clip=3.0, impl=impl,
+            dual_clip=3.0, impl=impl.removesuffix("-graph"),
         )  # fmt: skip
+
+    step = call
+    if impl.endswith("-graph"):
+        side = torch.cuda.Stream()  # a capture needs its kernels built and run once, off-graph
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        step = graph.replay
+
+    def run():
+        step()
         torch.cuda.synchronize()
 
     benchmark.pedantic(run, rounds=20, warmup_rounds=2)
