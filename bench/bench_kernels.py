@@ -20,8 +20,9 @@ Triton vs full logits vs Liger vs Cut Cross-Entropy (when installed): forward, b
 both, TFLOP/s on the nominal counts 2·N·H·V forward and 6·N·H·V backward (logits recomputed),
 the same for every implementation, % of the dense bf16 peak (the datasheet's and the measured
 matmul rate's), peak memory above inputs and gradients (torch.cuda peak stats); the GRPO loss
-alone in GB/s, per call and (replayed from a CUDA graph) for its kernels alone. `BENCH_TILES_JSON=file` runs the Triton kernels with the tile shapes a sweep
-and backward variant a sweep chose (bench/gpu/sweep_tiles.py); every figure records them.
+alone in GB/s, per call and (replayed from a CUDA graph) for its kernels alone.
+`BENCH_TILES_JSON=file` runs the Triton kernels with the tile shapes and backward variant a
+sweep chose (bench/gpu/sweep_tiles.py); every figure records them.
 bench/gpu/run.sh runs all of it on a GPU machine in one call.
 """
 
