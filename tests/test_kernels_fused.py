@@ -114,15 +114,19 @@ def test_frozen_head_and_no_grad(impl):
     torch.testing.assert_close(loss3, loss.detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["grpo", "nll"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_a_differentiable_upstream_scale_keeps_its_gradient(impl):
-    """The backward scales the stored gradients by the upstream gradient; when that is itself
-    differentiable (a loss scaled by a learned factor, differentiated with create_graph), the
-    scaled gradient must carry its graph: d(dLoss*s/dx)/ds = dLoss/dx."""
+def test_a_differentiable_upstream_scale_keeps_its_gradient(impl, op):
+    """The fused losses' backward scales the stored gradients by the upstream gradient; when
+    that is itself differentiable (a loss scaled by a learned factor, differentiated with
+    create_graph), the scaled gradient must carry its graph: d(dLoss*s/dx)/ds = dLoss/dx."""
     hidden, weight, targets, tok = make_batch(9, 16, 300)
     x, s = hidden.clone().requires_grad_(), torch.tensor(1.5, requires_grad=True)
-    args = (targets, tok["old_logp"], tok["advantages"], tok["weights"])
-    loss, _ = fused_linear_grpo_loss(x, weight, *args, impl=impl)
+    if op == "grpo":
+        args = (targets, tok["old_logp"], tok["advantages"], tok["weights"])
+        loss, _ = fused_linear_grpo_loss(x, weight, *args, impl=impl)
+    else:
+        loss = fused_linear_nll(x, weight, targets, tok["weights"], impl=impl)
     (dx,) = torch.autograd.grad(loss * s, (x,), create_graph=True)
     (ds,) = torch.autograd.grad(dx.sum(), (s,))
     torch.testing.assert_close(ds, (dx / s).sum().detach(), rtol=1e-5, atol=1e-6)

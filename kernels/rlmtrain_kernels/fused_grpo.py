@@ -41,6 +41,7 @@ from .logprob import (
     check_linear_inputs,
     logprob_backward_triton,
     logprob_forward_triton,
+    scaled_grad,
 )
 from .rows import TrainedRows
 
@@ -170,21 +171,10 @@ class LinearGRPOLossFunction(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         grads = [None] * (2 + ctx.num_args)
         if ctx.needs_input_grad[0]:
-            grads[0] = _scaled(grad_hidden, grad_loss, hidden_dtype)
+            grads[0] = scaled_grad(grad_hidden, grad_loss, hidden_dtype)
         if ctx.needs_input_grad[1]:
-            grads[1] = _scaled(grad_weight, grad_loss, weight_dtype)
+            grads[1] = scaled_grad(grad_weight, grad_loss, weight_dtype)
         return tuple(grads)
-
-
-def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """grad * scale in `dtype`, one pass over the fp32 gradient: the product is rounded as it
-    is written. A multiply, then a cast, writes and reads the fp32 dW once more; on an H200 the
-    two took 1.9 ms of the loss's 65 at V = 151936, H = 2560 (bench/gpu/NOTES.md, run 4). A
-    double backward (the scale itself differentiable) takes the two steps, which autograd can
-    differentiate and an `out=` product cannot."""
-    if torch.is_grad_enabled() and scale.requires_grad:
-        return (grad * scale).to(dtype)
-    return torch.mul(grad, scale, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
 
 
 def fused_linear_grpo_loss(

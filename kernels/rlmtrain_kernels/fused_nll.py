@@ -17,6 +17,7 @@ from .logprob import (
     check_linear_inputs,
     logprob_backward_triton,
     logprob_forward_triton,
+    scaled_grad,
 )
 from .rows import TrainedRows
 
@@ -105,9 +106,9 @@ class LinearNLLFunction(torch.autograd.Function):
         hidden_dtype, weight_dtype = ctx.dtypes
         grads = [None] * (2 + ctx.num_args)
         if ctx.needs_input_grad[0]:
-            grads[0] = (grad_hidden * grad_loss).to(hidden_dtype)
+            grads[0] = scaled_grad(grad_hidden, grad_loss, hidden_dtype)
         if ctx.needs_input_grad[1]:
-            grads[1] = (grad_weight * grad_loss).to(weight_dtype)
+            grads[1] = scaled_grad(grad_weight, grad_loss, weight_dtype)
         return tuple(grads)
 
 
