@@ -17,9 +17,9 @@ from .logprob import (
     check_linear_inputs,
     logprob_backward_triton,
     logprob_forward_triton,
-    scaled_grad,
 )
 from .rows import TrainedRows
+from .stored_grads import scaled_grad
 
 __all__ = ["fused_linear_nll"]
 

@@ -513,18 +513,6 @@ class LinearLogprobFunction(torch.autograd.Function):
         )
 
 
-def scaled_grad(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The fused losses' backward: a gradient their forward stored in fp32, times the upstream
-    scalar, in `dtype`, in one pass: the product is rounded as it is written. A multiply, then
-    a cast, writes and reads the fp32 dW once more; on an H200 the two took 1.9 ms of the GRPO
-    loss's 65 at V = 151936, H = 2560 (bench/gpu/NOTES.md, run 4). A double backward (the scale
-    itself differentiable) takes the two steps, which autograd can differentiate and an `out=`
-    product cannot."""
-    if torch.is_grad_enabled() and scale.requires_grad:
-        return (grad * scale).to(dtype)
-    return torch.mul(grad, scale, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))
-
-
 def check_linear_inputs(
     op: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> None:
