@@ -32,3 +32,17 @@ def _slow_modules_first(items) -> None:
     after the others ran out of work."""
     slow = {item.path for item in items if "slow" in item.keywords}
     items.sort(key=lambda item: item.path not in slow)
+
+
+@pytest.fixture
+def uninitialised_is_nan():
+    """Memory from torch.empty reads as NaN (ints as their largest value) for the test: a
+    result that depends on a buffer nothing wrote shows it, whatever the allocator hands out.
+    Deterministic mode does this; it only warns of the nondeterministic ops it meets."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)

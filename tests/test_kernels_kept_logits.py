@@ -3,6 +3,7 @@ product fewer, the same gradients, a buffer of that slab's rows and no more, not
 no backward can come or under torch.compile, nothing held after the backward, and a retained
 graph's second backward forming every slab again."""
 
+import math
 import weakref
 
 import pytest
@@ -13,20 +14,27 @@ from rlmtrain_kernels.logprob import _linear_logprob_bwd, _linear_logprob_fwd
 
 IGNORE = -100
 N, H, V = 150, 24, 1100
-SLAB_ROWS = 40  # 135 trained rows: slabs of 33, 34, 34 and 34, and a kept buffer of 34
+# 135 trained rows and 40 * V fp32 logits a slab. Slabs of rows: 33, 34, 34 and 34 rows, a kept
+# buffer of 34. Slabs of columns (at most 325 for 135 rows, in steps of 64): 3 of 320 and the
+# last 140, a kept buffer 320 wide.
+SLAB_BYTES = 40 * V * 4
+SLABS = {"rows": [(33, V), (34, V), (34, V), (34, V)], "columns": [(135, 320)] * 3 + [(135, 140)]}
+KEPT = {"rows": (34, V), "columns": (135, 320)}
 
 
-@pytest.fixture
-def stored(monkeypatch):
-    """The stored forward and backward, small slabs, and a log of the slab products formed."""
+@pytest.fixture(params=["rows", "columns"])
+def stored(monkeypatch, request, uninitialised_is_nan):
+    """The stored forward and backward cutting rows or columns, small slabs, and a log of the
+    slab products formed (their shapes)."""
     monkeypatch.setattr(tiles, "FORWARD_VARIANT", "stored")
     monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "stored")
-    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", SLAB_ROWS * V * 4)
-    formed, kept = [], []
+    monkeypatch.setattr(tiles, "LOGPROB_SLABS", request.param)
+    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", SLAB_BYTES)
+    formed, kept = SlabLog(SLABS[request.param], KEPT[request.param]), []
     slab_logits, log_probs = logit_slabs._slab_logits, logit_slabs.log_probs
 
     def count_products(x, weight, out):
-        formed.append(x.shape[0])
+        formed.append((x.shape[0], weight.shape[0]))
         slab_logits(x, weight, out)
 
     def watch_kept(*args, logits=None, **kwargs):
@@ -36,6 +44,15 @@ def stored(monkeypatch):
     monkeypatch.setattr(logit_slabs, "_slab_logits", count_products)
     monkeypatch.setattr(logit_slabs, "log_probs", watch_kept)
     return formed, kept
+
+
+class SlabLog(list):
+    """The shapes of the slab products formed, those the forward forms (`expected`) and the
+    buffer it keeps (`kept`)."""
+
+    def __init__(self, expected: list[tuple[int, int]], kept: tuple[int, int]) -> None:
+        super().__init__()
+        self.expected, self.kept = expected, kept
 
 
 def inputs(device="cpu"):
@@ -59,6 +76,24 @@ def test_slabs_are_even_the_larger_last_and_as_few_as_the_cap_allows():
             assert sizes == sorted(sizes) and (not sizes or sizes[-1] - sizes[0] <= 1)
 
 
+def test_column_slabs_are_aligned_as_few_as_the_cap_allows_and_cut_again_from_their_width(
+    monkeypatch,
+):
+    align = logit_slabs.COLUMN_ALIGN
+    for n, v, slab_bytes in [(1, 1000, 10**9), (135, 1100, SLAB_BYTES), (16384, 151936, 2 << 30),
+                             (7, 64, 4 * 7 * 64), (3, 4099, 4 * 3 * 64)]:  # fmt: skip
+        monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", slab_bytes)
+        width = logit_slabs._column_width(n, v)
+        cuts = logit_slabs._columns(v, width)
+        assert [c for s in cuts for c in range(s.start, s.stop)] == list(range(v))
+        assert width % align == 0 and all(s.start % align == 0 for s in cuts)
+        cap_units = max(1, slab_bytes // (4 * n * align))
+        units = math.ceil(v / align)
+        assert len(cuts) == math.ceil(units / cap_units)  # no more slabs than the cap needs
+        assert width <= cap_units * align  # and none past the cap
+        assert logit_slabs._columns(v, width) == cuts
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_backward_takes_the_kept_slab_and_a_second_backward_forms_it_again(stored, device):
     formed, kept = stored
@@ -66,17 +101,18 @@ def test_backward_takes_the_kept_slab_and_a_second_backward_forms_it_again(store
     logp, entropy = fused_linear_logprob(
         hidden, weight, targets, return_entropy=True, impl="triton"
     )
-    assert formed == [33, 34, 34, 34]
-    assert kept[0]() is not None and kept[0]().shape == (34, V)
+    assert formed == formed.expected
+    assert kept[0]() is not None and kept[0]().shape == formed.kept
     formed.clear()
     first = torch.autograd.grad(
         (logp, entropy), (hidden, weight), (g, g_entropy), retain_graph=True
     )
-    assert formed == [33, 34, 34]  # the kept slab (the last 34 rows) formed no product
+    # The kept slab (the last rows, or the last columns) formed no product.
+    assert sorted(formed) == sorted(formed.expected[:-1])
     assert kept[0]() is None  # and the backward let it go
     formed.clear()
     second = torch.autograd.grad((logp, entropy), (hidden, weight), (g, g_entropy))
-    assert formed == [33, 34, 34, 34]
+    assert sorted(formed) == sorted(formed.expected)
     # The two backwards add the slabs' dW in different orders: equal to the bit on the CPU, to
     # fp32 rounding before the bf16 cast on a GPU. A slab's logits taken for another's would
     # be wrong by whole units.
@@ -117,7 +153,7 @@ def test_ops_schemas_fakes_and_the_declared_mutation(stored):
     _, _, lse, kept = _linear_logprob_fwd(
         hidden, weight, targets, 1.0, IGNORE, False, True, "triton"
     )
-    assert kept.shape == (34, V)
+    assert kept.shape == stored[0].kept
     torch.library.opcheck(
         _linear_logprob_bwd,
         (
@@ -155,6 +191,26 @@ def test_compiled_step_keeps_nothing_and_equals_eager(stored):
         formed.clear()
         out = fn(x, w)
         results.append((out, *torch.autograd.grad(out, (x, w))))
-    assert kept[-1] is None and formed == [33, 34, 34, 34] * 2
+    assert kept[-1] is None and formed == formed.expected * 2
     for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_backward_cuts_as_the_forward_that_kept_the_slab(stored, monkeypatch):
+    """Flipping `tiles.LOGPROB_SLABS` between a forward and its backward changes nothing: the
+    kept buffer's shape, not the setting, tells the backward how its slabs were cut."""
+    formed, _ = stored
+    hidden, weight, targets, (g, g_entropy) = inputs()
+    grads = []
+    for flip in (False, True):
+        logp, entropy = fused_linear_logprob(
+            hidden, weight, targets, return_entropy=True, impl="triton"
+        )
+        if flip:
+            other = "rows" if tiles.LOGPROB_SLABS == "columns" else "columns"
+            monkeypatch.setattr(tiles, "LOGPROB_SLABS", other)
+        formed.clear()
+        grads.append(torch.autograd.grad((logp, entropy), (hidden, weight), (g, g_entropy)))
+        assert sorted(formed) == sorted(formed.expected[:-1])
+    for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -73,7 +73,9 @@ def fused_grpo(hidden, weight, targets, tok, temperature):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_stored_logits_grpo_matches_fp64_truth_and_the_recompute_path(monkeypatch, dtype, device):
+def test_stored_logits_grpo_matches_fp64_truth_and_the_recompute_path(
+    monkeypatch, uninitialised_is_nan, dtype, device
+):
     # 2 500 columns: the interpreter's 1 024-column blocks end in a partial one (the compiled
     # kernels' 2 048 likewise). Slabs of 7 rows: 31 trained rows make 5 slabs, the last partial.
     hidden, weight, targets, tok = batch(36, 40, 2500, dtype, device)
@@ -108,7 +110,7 @@ def test_stored_logits_grpo_matches_fp64_truth_and_the_recompute_path(monkeypatc
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_stored_logits_nll_matches_fp64_truth(monkeypatch, dtype, device):
+def test_stored_logits_nll_matches_fp64_truth(monkeypatch, uninitialised_is_nan, dtype, device):
     hidden, weight, targets, tok = batch(19, 33, 1500, dtype, device, seed=2)
     monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 5 * 4 * 1500)
     monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "stored")
@@ -159,11 +161,12 @@ def test_row_kernels_write_every_entry_and_survive_huge_logits(device, with_entr
     dz = torch.full((rows, v), float("nan"), device=device, dtype=torch.bfloat16)
     block = dict(BLOCK_V=1024, num_warps=logit_slabs.ROW_WARPS)
     logit_slabs._row_stats_kernel[(rows,)](
-        z32, targets, logp, lse, entropy, v, z32.stride(0), inv_t, WITH_ENTROPY=True, **block
-    )
+        z32, targets, logp, lse, entropy, v, 0, v, z32.stride(0), inv_t, WITH_ENTROPY=True,
+        **block,
+    )  # fmt: skip
     logit_slabs._row_dlogits_kernel[(rows,)](
         z32, dz, targets, lse, (lse - entropy).contiguous() if with_entropy else lse, g, ge, v,
-        z32.stride(0), dz.stride(0), inv_t, WITH_ENTROPY=with_entropy, **block,
+        0, z32.stride(0), dz.stride(0), inv_t, WITH_ENTROPY=with_entropy, **block,
     )  # fmt: skip
     torch.testing.assert_close(lse.double(), lse_t, rtol=1e-6, atol=1e-3)
     logp_t = torch.where(trained, zs.gather(1, targets.clamp(min=0)[:, None])[:, 0] - lse_t, 0.0)
@@ -207,7 +210,7 @@ def test_bf16_training_loop_stored_equals_recompute_step_for_step(monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("frozen", ["head", "trunk"])
-def test_stored_logits_with_one_gradient_wanted(monkeypatch, frozen, device):
+def test_stored_logits_with_one_gradient_wanted(monkeypatch, uninitialised_is_nan, frozen, device):
     """A frozen head (no dW) or frozen hidden states (no dX): the other gradient alone, the same
     as the chunked torch backend's."""
     hidden, weight, targets, tok = batch(29, 24, 1300, torch.bfloat16, device, seed=4)

@@ -325,7 +325,9 @@ def test_triton_cuda_tile_shapes(monkeypatch, variant, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("n", "h", "v", "dtype"), TRITON_CASES)
 @pytest.mark.parametrize("variant", ["atomic", "slabs"])
-def test_triton_backward_variants_match_fp64_truth(monkeypatch, variant, n, h, v, dtype, device):
+def test_triton_backward_variants_match_fp64_truth(
+    monkeypatch, uninitialised_is_nan, variant, n, h, v, dtype, device
+):
     """Both Triton-GEMM backward variants, whichever is the default; the slabs cut small (32 rows
     in the interpreter, one row tile on CUDA) so that a call spans several and dW accumulates
     across them."""
@@ -340,9 +342,13 @@ STORED_CASES = [c for c in TRITON_CASES if c[3] != torch.float32] + [(37, 40, 25
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("n", "h", "v", "dtype"), STORED_CASES)
 @pytest.mark.parametrize("stored", ["forward", "backward", "both"])
-def test_triton_stored_variants_match_fp64_truth(monkeypatch, stored, n, h, v, dtype, device):
-    """The log-prob op's forward and backward from stored fp32 logit slabs (40 rows a slab: a
-    call spans several, the last partial), alone and together, entropy gradient included."""
+@pytest.mark.parametrize("slabs", ["rows", "columns"])
+def test_triton_stored_variants_match_fp64_truth(
+    monkeypatch, uninitialised_is_nan, slabs, stored, n, h, v, dtype, device
+):
+    """The log-prob op's forward and backward from stored fp32 logit slabs (40 rows, or about
+    300 vocabulary columns, a slab: a call spans several, the last partial), alone and together,
+    entropy gradient included."""
     calls = []
     for name in ("log_probs", "accumulate_grads"):
         original = getattr(logit_slabs, name)
@@ -355,7 +361,10 @@ def test_triton_stored_variants_match_fp64_truth(monkeypatch, stored, n, h, v, d
     # The other half takes its Triton GEMM variant, whichever the defaults are.
     monkeypatch.setattr(tiles, "FORWARD_VARIANT", "kernel" if stored == "backward" else "stored")
     monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "slabs" if stored == "forward" else "stored")
-    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 40 * v * 4)
+    monkeypatch.setattr(tiles, "LOGPROB_SLABS", slabs)
+    monkeypatch.setattr(
+        logit_slabs, "LOGIT_SLAB_BYTES", (40 * v if slabs == "rows" else 300 * n) * 4
+    )
     check_against_truth("triton", n, h, v, dtype, device)
     expected = {"forward": {"log_probs"}, "backward": {"accumulate_grads"}}
     assert set(calls) == expected.get(stored, {"log_probs", "accumulate_grads"})

@@ -3,7 +3,8 @@ then the CUDA kernels of one call of the default path, by total time (torch.prof
 
 `--op grpo`: the fused GRPO loss, forward+backward, with each row-gradient variant and several
 logit-slab sizes. `--op logprob`: the log-prob op (autograd), forward alone, then forward+backward
-with and without the forward's last logit slab kept for the backward.
+with and without the forward's last logit slab kept for the backward, each with slabs of rows and
+of vocabulary columns (`tiles.LOGPROB_SLABS`).
 
 Run: `python3 bench/gpu/profile_head.py [--op grpo|logprob] [--n 16384] [--h 2560] [--out F]`.
 """
@@ -80,10 +81,24 @@ def logprob_cases(d: dict) -> list[tuple[str, int, Callable[[], None]]]:
 
         return run
 
+    def cutting(slabs: str, run: Callable[[], None]) -> Callable[[], None]:
+        def with_slabs():
+            default, tiles.LOGPROB_SLABS = tiles.LOGPROB_SLABS, slabs
+            try:
+                run()
+            finally:
+                tiles.LOGPROB_SLABS = default
+
+        return with_slabs
+
+    default = tiles.LOGPROB_SLABS
+    other = "columns" if default == "rows" else "rows"
     return [
         ("logprob forward", 2, forward),
+        (f"logprob forward, slabs of {other}", 2, cutting(other, forward)),
         ("logprob fwd+bwd, nothing kept", 8, both(False)),
-        ("logprob fwd+bwd, last slab kept (default)", 8, both(True)),
+        (f"logprob fwd+bwd, slabs of {other}, last kept", 8, cutting(other, both(True))),
+        (f"logprob fwd+bwd, slabs of {default}, last kept (default)", 8, both(True)),
     ]
 
 

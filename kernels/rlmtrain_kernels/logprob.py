@@ -292,8 +292,10 @@ def logprob_backward_triton(
     with_entropy = grad_entropy is not None
     ge = torch.where(valid, grad_entropy.float(), 0.0) if with_entropy else g
     mean_z = lse - entropy if with_entropy else lse
-    grad_hidden = torch.zeros(n, h, **f32) if need_grad_hidden else None
-    grad_weight = torch.zeros(v, h, **f32) if need_grad_weight else None
+    # The slab variants write every element; the atomic kernel adds into zeros.
+    blank = torch.zeros if n == 0 or tiles.BACKWARD_VARIANT == "atomic" else torch.empty
+    grad_hidden = blank(n, h, **f32) if need_grad_hidden else None
+    grad_weight = blank(v, h, **f32) if need_grad_weight else None
     if n == 0 or not (need_grad_hidden or need_grad_weight):
         return grad_hidden, grad_weight
     upstream = (lse.contiguous(), mean_z.contiguous(), g.contiguous(), ge.contiguous())
@@ -352,20 +354,19 @@ def _linear_logprob_fwd(
     keep_logits: bool,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, entropy, lse, kept): `kept` [R, V] fp32 is the stored path's slab buffer, left
-    holding the logits of the last slab of trained rows for the backward (R = 0: nothing kept,
-    which is also what a forward without `keep_logits` or without stored slabs returns)."""
+    """(logp, entropy, lse, kept): `kept` fp32 is the stored path's slab buffer, left holding
+    the logits of the last slab of trained rows for the backward ([0, V]: nothing kept, which is
+    also what a forward without `keep_logits` or without stored slabs returns)."""
     v = weight.shape[0]
     rows = TrainedRows(targets, ignore_index, v)
-    kept_rows = (
-        logit_slabs.slab_buffer_rows(rows.count, v) if _keeps(hidden, keep_logits, impl) else 0
-    )
-    kept = hidden.new_empty(kept_rows, v, dtype=torch.float32)
+    keeps = _keeps(hidden, keep_logits, impl)
+    kept_shape = logit_slabs.slab_buffer_shape(rows.count, v) if keeps else (0, v)
+    kept = hidden.new_empty(kept_shape, dtype=torch.float32)
     trained = (rows.take(hidden), weight, rows.take(targets))
     options = dict(temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy)
     if impl == "triton":
         logp, entropy, lse = logprob_forward_triton(
-            *trained, **options, logits=kept if kept_rows else None
+            *trained, **options, logits=kept if kept.numel() else None
         )
     else:
         logp, entropy, lse = reference.linear_logprob_forward(*trained, **options)
@@ -385,14 +386,18 @@ def _keeps(hidden: torch.Tensor, keep_logits: bool, impl: str) -> bool:
 def _(hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl):
     n, v = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
-    # The kept slab's rows follow the count of trained rows, a data-dependent size.
-    keeps = _keeps(hidden, keep_logits, impl)
-    kept_rows = torch.library.get_ctx().new_dynamic_size() if keeps else 0
+    # The kept slab follows the count of trained rows, a data-dependent size: its rows, and
+    # with slabs of columns its columns too.
+    kept_shape = (0, v)
+    if _keeps(hidden, keep_logits, impl):
+        ctx = torch.library.get_ctx()
+        columns = tiles.LOGPROB_SLABS == "columns"
+        kept_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size() if columns else v)
     return (
         hidden.new_empty(n, **f32),
         hidden.new_empty(n if with_entropy else 0, **f32),
         hidden.new_empty(n, **f32),
-        hidden.new_empty(kept_rows, v, **f32),
+        hidden.new_empty(kept_shape, **f32),
     )
 
 
@@ -426,7 +431,7 @@ def _linear_logprob_bwd(
         grad_hidden, grad_weight = logprob_backward_triton(
             *trained, temperature=temperature, ignore_index=ignore_index,
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight,
-            kept_logits=kept_logits if kept_logits.shape[0] else None,
+            kept_logits=kept_logits if kept_logits.numel() else None,
         )  # fmt: skip
     else:
         grad_hidden, grad_weight = reference.linear_logprob_backward(

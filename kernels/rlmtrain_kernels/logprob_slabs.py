@@ -118,7 +118,7 @@ def accumulate_grads(
     inv_t: float,
     with_entropy: bool,
 ) -> None:
-    """Fill grad_hidden [N, H] fp32 and add into grad_weight [V, H] fp32 (either may be None),
+    """Fill grad_hidden [N, H] fp32 and grad_weight [V, H] fp32 (either may be None; N > 0),
     given the upstream per-row coefficients the atomic kernel takes (g, g_H, lse, E_p[z])."""
     n = hidden.shape[0]
     v = weight.shape[0]
@@ -135,8 +135,9 @@ def accumulate_grads(
             with_entropy,
         )  # fmt: skip
         slab_products(
-            slab, x, weight, grad_hidden[rows] if grad_hidden is not None else None, grad_weight
-        )
+            slab, x, weight, grad_hidden[rows] if grad_hidden is not None else None, grad_weight,
+            add_hidden=False, add_weight=r0 > 0,
+        )  # fmt: skip
 
 
 def slab_products(
@@ -145,19 +146,32 @@ def slab_products(
     weight: torch.Tensor,
     grad_hidden: torch.Tensor | None,
     grad_weight: torch.Tensor | None,
+    *,
+    add_hidden: bool,
+    add_weight: bool,
 ) -> None:
-    """grad_hidden [rows, H] fp32 = dz @ weight and grad_weight [V, H] fp32 += dz^T @ x, for one
-    slab of logit gradients dz [rows, V] in the input dtype (either output may be None)."""
-    if _fp32_products(x.device, x.dtype):
-        if grad_hidden is not None:
-            torch.mm(dz, weight, out_dtype=torch.float32, out=grad_hidden)
-        if grad_weight is not None and _addmm_accumulates_in_fp32(x.device):
-            torch.addmm(grad_weight, dz.T, x, out_dtype=torch.float32, out=grad_weight)
-        elif grad_weight is not None:
-            grad_weight += torch.mm(dz.T, x, out_dtype=torch.float32)
+    """grad_hidden [N, H] fp32 (=, or += with add_hidden) dz @ weight and grad_weight [V, H] fp32
+    (=, or += with add_weight) dz^T @ x, for one slab of logit gradients dz [N, V] in the input
+    dtype (either output may be None). A slab of rows writes its rows of dX and adds into dW; a
+    slab of vocabulary columns writes its rows of dW and adds into dX; the first slab of either
+    writes both, so neither output needs zeroing first."""
+    if grad_hidden is not None:
+        _product(dz, weight, grad_hidden, add_hidden)
+    if grad_weight is not None:
+        _product(dz.T, x, grad_weight, add_weight)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, add: bool) -> None:
+    """out (fp32) = a @ b, or += a @ b, accumulated in fp32."""
+    if not _fp32_products(a.device, a.dtype):
+        a, b = a.float(), b.float()
+        if add:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif not add:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif _addmm_accumulates_in_fp32(a.device):
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
     else:
-        dz32 = dz.float()
-        if grad_hidden is not None:
-            torch.mm(dz32, weight.float(), out=grad_hidden)
-        if grad_weight is not None:
-            grad_weight.addmm_(dz32.T, x.float())
+        out += torch.mm(a, b, out_dtype=torch.float32)

@@ -62,6 +62,14 @@ STORED_LOGITS_DTYPES = (torch.bfloat16, torch.float16)
 # read-modify-write traffic, not the arithmetic, bounds that kernel. fp32 inputs asking for
 # "stored" take "slabs".
 BACKWARD_VARIANT = "stored"
+# How the log-prob op's stored forward and backward cut the [N, V] logits into slabs of at most
+# `logit_slabs.LOGIT_SLAB_BYTES`: "rows" (each slab all V columns of some rows; its backward
+# adds every slab's dz^T X into the fp32 dW, a [V, H] read-modify-write per slab) or "columns"
+# (each slab all N rows of some vocabulary columns, merged by log-sum-exp; its backward writes
+# each slab's rows of dW once and adds into the fp32 dX instead, an [N, H] read-modify-write per
+# slab). Columns move less memory while N < V. The fused losses need whole rows (a token's
+# gradient needs its log-prob) and always cut rows. bench/gpu/profile_head.py times both.
+LOGPROB_SLABS = "rows"
 # How the fused losses (GRPO, NLL) get their gradients for 16-bit inputs: "stored" (each slab's
 # logits formed once, kept in fp32 and reused for the gradients: 6·N·H·V; logit_slabs.py) or
 # "recompute" (the log-prob forward, then the backward recomputing the logits: 8·N·H·V). On an
