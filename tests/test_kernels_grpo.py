@@ -205,4 +205,35 @@ def test_bad_options_are_named():
         grpo_loss(logp, old, adv[:3], w)
     with pytest.raises(ValueError, match="clip_low"):
         grpo_loss(logp, old, adv, w, clip_low=1.5)
+    sampler = old.clone()
+    for option, value in [("clip_high", -0.1), ("dual_clip", 0.5), ("tis_cap", 0.0)]:
+        for bad in (value, math.nan):  # NaN fails every comparison, so every check must see it
+            with pytest.raises(ValueError, match=f"{option} must be"):
+                grpo_loss(logp, old, adv, w, sampler_logp=sampler, **{option: bad})
+    with pytest.raises(ValueError, match="beta must be finite"):
+        grpo_loss(logp, old, adv, w, ref_logp=old, beta=math.inf)
     assert math.isfinite(grpo_loss(logp, old, adv, w)[0].item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("poisoned", ["logp", "old", "sampler"])
+def test_nan_in_a_counted_token_reaches_the_loss_on_every_backend(poisoned, device):
+    """A NaN log-prob must show in the loss and the ratio metrics, as torch's clamp and max
+    propagate it, never be clipped or capped into a finite value; both backends agree on
+    every gradient."""
+    logp, old, adv, w, ref, sampler = random_tokens(64, device)
+    {"logp": logp, "old": old, "sampler": sampler}[poisoned][3] = math.nan
+    assert w[3] != 0
+    results = {}
+    for impl in IMPLS:
+        x = logp.float().clone().requires_grad_()
+        loss, m = grpo_loss(
+            x, old.float(), adv.float(), w.float(), sampler_logp=sampler.float(), tis_cap=1.2,
+            dual_clip=2.0, impl=impl,
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, x)
+        results[impl] = loss, grad, m
+        assert torch.isnan(loss)
+    ratio_max = [results[impl][2].ratio_max for impl in IMPLS]
+    assert torch.isnan(ratio_max[0]) == torch.isnan(ratio_max[1])
+    torch.testing.assert_close(*(r[1] for r in results.values()), equal_nan=True)

@@ -157,6 +157,19 @@ def test_all_rows_ignored(impl):
         assert torch.all(t == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_no_rows_at_all(impl, dtype):
+    """An empty batch (N = 0): empty log-probs and entropy, and zero gradients."""
+    hidden, weight, targets, _, _ = make_inputs(1, 16, 1001, dtype, "cpu")
+    hidden, targets = hidden[:0].clone().requires_grad_(), targets[:0]
+    weight = weight.clone().requires_grad_()
+    logp, entropy = fused_linear_logprob(hidden, weight, targets, return_entropy=True, impl=impl)
+    assert logp.shape == entropy.shape == (0,) and logp.dtype == torch.float32
+    dx, dw = torch.autograd.grad((logp.sum() + entropy.sum()), (hidden, weight))
+    assert dx.shape == (0, 16) and not dw.any()
+
+
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_very_negative_logits_with_a_padded_vocab_tile(impl):
     """All logits near -1000 and V = 1001 (a partial last tile): a running max starting at 0

@@ -37,6 +37,7 @@ torch reduction folds (deterministic, no atomics).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -129,7 +130,9 @@ def _grpo_loss_kernel(
     low = 1.0 - clip_low
     high = 1.0 + clip_high
     unclipped = -adv * ratio
-    clipped = -adv * tl.minimum(tl.maximum(ratio, low), high)
+    # NaN propagates as through torch.clamp: a poisoned token must poison the loss, not clip.
+    nan_ok = tl.PropagateNan.ALL
+    clipped = -adv * tl.minimum(tl.maximum(ratio, low, propagate_nan=nan_ok), high, nan_ok)
     take_unclipped = unclipped >= clipped
     pg = tl.where(take_unclipped, unclipped, clipped)
     dpg = tl.where(take_unclipped, unclipped, 0.0)
@@ -146,7 +149,7 @@ def _grpo_loss_kernel(
         tis = tl.exp(old - sampler)
         if HAS_CAP:
             tis_clipped = tis > tis_cap
-            tis = tl.minimum(tis, tis_cap)
+            tis = tl.minimum(tis, tis_cap, propagate_nan=nan_ok)
         pg = pg * tis
         dpg = dpg * tis
     kl = tl.zeros([BLOCK], dtype=tl.float32)
@@ -171,7 +174,10 @@ def _grpo_loss_kernel(
     tl.store(out + 3, tl.sum(cnt * tis_clipped.to(tl.float32), axis=0))
     tl.store(out + 4, tl.sum(tl.where(counted, kl, 0.0), axis=0))
     tl.store(out + 5, tl.sum(tl.where(counted, ratio, 0.0), axis=0))
-    tl.store(out + 6, tl.max(tl.where(counted, ratio, float("-inf")), axis=0))
+    # tl.max skips NaN; torch's max, which the torch path takes, returns it.
+    ratio_max = tl.max(tl.where(counted, ratio, float("-inf")), axis=0)
+    any_nan = tl.sum((counted & (ratio != ratio)).to(tl.int32), axis=0) > 0
+    tl.store(out + 6, tl.where(any_nan, float("nan"), ratio_max))
     tl.store(out + 7, tl.sum(cnt, axis=0))
     tl.store(out + 8, tl.sum(tl.where(counted, gap, 0.0), axis=0))
 
@@ -308,17 +314,20 @@ def check_grpo_options(
     sampler_logp: torch.Tensor | None,
     tis_cap: float | None,
 ) -> None:
+    # Each test is written so that NaN fails it: every comparison with NaN is False.
+    if not math.isfinite(beta):
+        raise ValueError(f"grpo_loss: beta must be finite, got {beta}")
     if beta != 0.0 and ref_logp is None:
         raise ValueError(f"grpo_loss: beta={beta} needs ref_logp")
     if not 0.0 <= clip_low < 1.0:
         raise ValueError(f"grpo_loss: clip_low must be in [0, 1), got {clip_low}")
-    if clip_high < 0.0:
+    if not clip_high >= 0.0:
         raise ValueError(f"grpo_loss: clip_high must be >= 0, got {clip_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
+    if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"grpo_loss: dual_clip must be > 1 (a ratio cap), got {dual_clip}")
     if tis_cap is not None and sampler_logp is None:
         raise ValueError("grpo_loss: tis_cap needs sampler_logp")
-    if tis_cap is not None and tis_cap <= 0.0:
+    if tis_cap is not None and not tis_cap > 0.0:
         raise ValueError(f"grpo_loss: tis_cap must be > 0, got {tis_cap}")
 
 

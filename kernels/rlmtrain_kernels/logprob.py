@@ -208,9 +208,8 @@ def logprob_forward_triton(
     the caller keeps it for the backward (`logit_slabs.log_probs`); the kernel leaves it unread."""
     n, h = hidden.shape
     v = weight.shape[0]
-    if n == 0:
-        empty = hidden.new_empty(0, dtype=torch.float32)
-        return empty, empty, empty
+    if n == 0:  # three tensors: a custom op's outputs may not alias one another
+        return tuple(hidden.new_empty(0, dtype=torch.float32) for _ in range(3))
     if tiles.stores_logits(tiles.FORWARD_VARIANT, hidden.dtype):
         return logit_slabs.log_probs(
             hidden, weight, targets, temperature=temperature, with_entropy=with_entropy,
