@@ -131,8 +131,8 @@ def _grpo_loss_kernel(
     high = 1.0 + clip_high
     unclipped = -adv * ratio
     # NaN propagates as through torch.clamp: a poisoned token must poison the loss, not clip.
-    nan_ok = tl.PropagateNan.ALL
-    clipped = -adv * tl.minimum(tl.maximum(ratio, low, propagate_nan=nan_ok), high, nan_ok)
+    kept = tl.maximum(ratio, low, propagate_nan=tl.PropagateNan.ALL)
+    clipped = -adv * tl.minimum(kept, high, propagate_nan=tl.PropagateNan.ALL)
     take_unclipped = unclipped >= clipped
     pg = tl.where(take_unclipped, unclipped, clipped)
     dpg = tl.where(take_unclipped, unclipped, 0.0)
@@ -149,7 +149,7 @@ def _grpo_loss_kernel(
         tis = tl.exp(old - sampler)
         if HAS_CAP:
             tis_clipped = tis > tis_cap
-            tis = tl.minimum(tis, tis_cap, propagate_nan=nan_ok)
+            tis = tl.minimum(tis, tis_cap, propagate_nan=tl.PropagateNan.ALL)
         pg = pg * tis
         dpg = dpg * tis
     kl = tl.zeros([BLOCK], dtype=tl.float32)
