@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 
-from . import logit_slabs, reference, tiles
+from . import logit_slabs, reference, second_order, tiles
 from ._backend import resolve_impl
 from .grpo_loss import (
     NUM_METRIC_SUMS,
@@ -35,13 +35,10 @@ from .grpo_loss import (
     check_token_tensors,
     finalize_metrics,
     grpo_forward,
+    token_loss,
 )
-from .logprob import (
-    check_backend_dtype,
-    check_linear_inputs,
-    logprob_backward_triton,
-    logprob_forward_triton,
-)
+from .head_checks import check_backend_dtype, check_linear_inputs
+from .logprob import logprob_backward_triton, logprob_forward_triton
 from .rows import TrainedRows
 from .stored_grads import scaled_grad
 
@@ -154,27 +151,41 @@ def _(hidden, weight, targets, old_logp, advantages, weights, ref_logp, sampler_
 
 
 class LinearGRPOLossFunction(torch.autograd.Function):
-    """The forward already holds dLoss/dHidden and dLoss/dWeight; backward scales them."""
+    """The forward already holds dLoss/dHidden and dLoss/dWeight; backward scales them. A
+    backward that is itself differentiated forms them again by autograd (`second_order`), from
+    the inputs kept for it."""
 
     @staticmethod
     def forward(ctx, hidden, weight, *args):
         loss, sums, entropy, grad_hidden, grad_weight = _linear_grpo_fwd(hidden, weight, *args)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
-        ctx.num_args = len(args)
+        ctx.save_for_backward(grad_hidden, grad_weight, hidden, weight, *args[:6])
+        ctx.options, ctx.num_args = args[6:], len(args)
         ctx.mark_non_differentiable(sums, entropy)
         return loss, sums, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, grad_sums, grad_entropy):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        hidden_dtype, weight_dtype = ctx.dtypes
-        grads = [None] * (2 + ctx.num_args)
-        if ctx.needs_input_grad[0]:
-            grads[0] = scaled_grad(grad_hidden, grad_loss, hidden_dtype)
-        if ctx.needs_input_grad[1]:
-            grads[1] = scaled_grad(grad_weight, grad_loss, weight_dtype)
-        return tuple(grads)
+        grad_hidden, grad_weight, hidden, weight, targets, *tokens = ctx.saved_tensors
+        needed = ctx.needs_input_grad[:2]
+        if second_order.wanted():
+            loss = _loss_by_autograd(hidden, weight, targets, tokens, ctx.options)
+            grads = second_order.grads([loss], [grad_loss], (hidden, weight), needed)
+        else:
+            stored = zip((grad_hidden, grad_weight), (hidden, weight), needed, strict=True)
+            grads = [scaled_grad(g, grad_loss, t.dtype) if need else None for g, t, need in stored]
+        return *grads, *[None] * ctx.num_args
+
+
+def _loss_by_autograd(hidden, weight, targets, tokens, options) -> torch.Tensor:
+    """The fused loss by torch operations, differentiable at any order (`second_order`)."""
+    temperature, ignore_index, beta, clip_low, clip_high, dual_clip, tis_cap, *_ = options
+    old_logp, advantages, weights, ref_logp, sampler_logp = tokens
+    logp, _ = second_order.head_logprobs(
+        hidden, weight, targets, temperature, ignore_index, with_entropy=False
+    )
+    weights = torch.where(targets != ignore_index, weights, 0.0)
+    grpo = (beta, clip_low, clip_high, dual_clip, tis_cap, "torch")
+    return token_loss(logp, old_logp, advantages, weights, ref_logp, sampler_logp, grpo)
 
 
 def fused_linear_grpo_loss(

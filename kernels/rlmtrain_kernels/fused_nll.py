@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from . import logit_slabs, reference, tiles
+from . import logit_slabs, reference, second_order, tiles
 from ._backend import resolve_impl
 from .grpo_loss import check_token_tensors
-from .logprob import (
-    check_backend_dtype,
-    check_linear_inputs,
-    logprob_backward_triton,
-    logprob_forward_triton,
-)
+from .head_checks import check_backend_dtype, check_linear_inputs
+from .logprob import logprob_backward_triton, logprob_forward_triton
 from .rows import TrainedRows
 from .stored_grads import scaled_grad
 
@@ -89,27 +85,35 @@ def _(hidden, weight, targets, weights, temperature, ignore_index, with_entropy,
 
 
 class LinearNLLFunction(torch.autograd.Function):
-    """The forward already holds dLoss/dHidden and dLoss/dWeight; backward scales them."""
+    """The forward already holds dLoss/dHidden and dLoss/dWeight; backward scales them. A
+    backward that is itself differentiated forms them again by autograd (`second_order`), from
+    the inputs kept for it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, *args):
-        loss, entropy, grad_hidden, grad_weight = _linear_nll_fwd(hidden, weight, *args)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
-        ctx.num_args = len(args)
+    def forward(ctx, hidden, weight, targets, weights, *options):
+        loss, entropy, grad_hidden, grad_weight = _linear_nll_fwd(
+            hidden, weight, targets, weights, *options
+        )
+        ctx.save_for_backward(grad_hidden, grad_weight, hidden, weight, targets, weights)
+        ctx.options = options
         ctx.mark_non_differentiable(entropy)
         return loss, entropy
 
     @staticmethod
     def backward(ctx, grad_loss, grad_entropy):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        hidden_dtype, weight_dtype = ctx.dtypes
-        grads = [None] * (2 + ctx.num_args)
-        if ctx.needs_input_grad[0]:
-            grads[0] = scaled_grad(grad_hidden, grad_loss, hidden_dtype)
-        if ctx.needs_input_grad[1]:
-            grads[1] = scaled_grad(grad_weight, grad_loss, weight_dtype)
-        return tuple(grads)
+        grad_hidden, grad_weight, hidden, weight, targets, weights = ctx.saved_tensors
+        needed = ctx.needs_input_grad[:2]
+        if second_order.wanted():
+            temperature, ignore_index, *_ = ctx.options
+            logp, _ = second_order.head_logprobs(
+                hidden, weight, targets, temperature, ignore_index, with_entropy=False
+            )
+            loss = -(torch.where(targets != ignore_index, weights, 0.0) * logp).sum()
+            grads = second_order.grads([loss], [grad_loss], (hidden, weight), needed)
+        else:
+            stored = zip((grad_hidden, grad_weight), (hidden, weight), needed, strict=True)
+            grads = [scaled_grad(g, grad_loss, t.dtype) if need else None for g, t, need in stored]
+        return *grads, None, None, *[None] * len(ctx.options)
 
 
 def fused_linear_nll(

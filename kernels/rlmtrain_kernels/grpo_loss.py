@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import reference
+from . import reference, second_order
 from ._backend import resolve_impl, tl, triton
 
 __all__ = ["GRPOMetrics", "grpo_loss"]
@@ -287,22 +287,42 @@ def _(logp, old_logp, advantages, weights, ref_logp, sampler_logp, *args):
 
 
 class GRPOLossFunction(torch.autograd.Function):
-    """Gradient flows to `logp` only; the gradient was computed by the forward pass."""
+    """Gradient flows to `logp` only; the gradient was computed by the forward pass (and by
+    autograd over the torch formula when the backward is itself differentiated:
+    `second_order`)."""
 
     @staticmethod
     def forward(ctx, logp, old_logp, advantages, weights, ref_logp, sampler_logp, options):
         loss, grad_logp, sums = _grpo_loss_op(
             logp, old_logp, advantages, weights, ref_logp, sampler_logp, *options
         )
-        ctx.save_for_backward(grad_logp)
-        ctx.logp_dtype = logp.dtype
+        ctx.save_for_backward(
+            grad_logp, logp, old_logp, advantages, weights, ref_logp, sampler_logp
+        )
+        ctx.options = options
         ctx.mark_non_differentiable(sums)
         return loss, sums
 
     @staticmethod
     def backward(ctx, grad_loss, grad_sums):
-        (grad_logp,) = ctx.saved_tensors
-        return (grad_logp * grad_loss).to(ctx.logp_dtype), None, None, None, None, None, None
+        grad_logp, logp, *tokens = ctx.saved_tensors
+        if second_order.wanted():
+            loss = token_loss(logp, *tokens, ctx.options)
+            grad_logp = torch.autograd.grad(loss, logp, create_graph=True)[0]
+        return (grad_logp * grad_loss).to(logp.dtype), None, None, None, None, None, None
+
+
+def token_loss(logp, old_logp, advantages, weights, ref_logp, sampler_logp, options):
+    """The GRPO loss by torch operations that autograd differentiates at any order: its value's
+    derivative is the gradient `reference.grpo_forward` writes out. old_logp None is the detached
+    logp, as in the forward."""
+    beta, clip_low, clip_high, dual_clip, tis_cap, _ = options
+    old = logp.detach() if old_logp is None else old_logp
+    loss, _, _ = reference.grpo_forward(
+        logp, old, advantages, weights, ref_logp, sampler_logp, beta=beta, clip_low=clip_low,
+        clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap,
+    )  # fmt: skip
+    return loss
 
 
 def check_grpo_options(

@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import torch
 
-from . import logit_slabs, logprob_slabs, reference, tiles
+from . import logit_slabs, logprob_slabs, reference, second_order, tiles
 from ._backend import resolve_impl, tl, triton
+from .head_checks import check_backend_dtype, check_linear_inputs
 from .rows import TrainedRows
 from .tiles import grad_logit_tile, grouped_tile, logit_tile
 
 __all__ = ["fused_linear_logprob"]
-
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @triton.jit
@@ -465,7 +464,8 @@ class LinearLogprobFunction(torch.autograd.Function):
     its working buffer, the one it would otherwise allocate. The slab is held from the forward
     to the backward (or until the graph is freed without one); being a ctx attribute and not a
     saved tensor, it is neither freed by activation checkpointing nor moved by saved-tensor
-    hooks. A second backward through a retained graph forms every slab again."""
+    hooks. A second backward through a retained graph forms every slab again. A backward that
+    is itself differentiated takes full logits and autograd instead (`second_order`)."""
 
     @staticmethod
     def forward(
@@ -490,6 +490,14 @@ class LinearLogprobFunction(torch.autograd.Function):
         ctx.kept_logits = kept.new_empty(0, kept.shape[1])
         temperature, ignore_index, impl = ctx.options
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if second_order.wanted():
+            outputs = second_order.head_logprobs(
+                hidden, weight, targets, temperature, ignore_index, ctx.with_entropy
+            )
+            grads = second_order.grads(
+                outputs, (grad_logp, grad_entropy), (hidden, weight), (need_hidden, need_weight)
+            )
+            return *grads, None, None, None, None, None, None
         grad_hidden, grad_weight = _linear_logprob_bwd(
             hidden,
             weight,
@@ -514,40 +522,6 @@ class LinearLogprobFunction(torch.autograd.Function):
             None,
             None,
             None,
-        )
-
-
-def check_linear_inputs(
-    op: str, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> None:
-    if hidden.dim() != 2:
-        raise ValueError(f"{op}: hidden must be [N, H], got shape {list(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"{op}: weight must be [V, H={hidden.shape[1]}], got shape {list(weight.shape)}"
-        )
-    if targets.shape != (hidden.shape[0],):
-        raise ValueError(f"{op}: targets must be [N={hidden.shape[0]}], got {list(targets.shape)}")
-    if hidden.dtype not in FLOAT_DTYPES or weight.dtype != hidden.dtype:
-        raise ValueError(
-            f"{op}: hidden and weight must share one of {FLOAT_DTYPES}, "
-            f"got {hidden.dtype} and {weight.dtype}"
-        )
-    if targets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{op}: targets must be int32 or int64, got {targets.dtype}")
-    if not (hidden.device == weight.device == targets.device):
-        raise ValueError(
-            f"{op}: hidden, weight, targets on different devices: "
-            f"{hidden.device}, {weight.device}, {targets.device}"
-        )
-    if not temperature > 0.0:
-        raise ValueError(f"{op}: temperature must be > 0, got {temperature}")
-
-
-def check_backend_dtype(op: str, backend: str, dtype: torch.dtype) -> None:
-    if backend == "triton" and dtype == torch.float64:
-        raise ValueError(
-            f"{op}: float64 inputs run on impl='torch' only (they exist for gradcheck)"
         )
 
 
