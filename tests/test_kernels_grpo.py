@@ -212,6 +212,8 @@ def test_bad_options_are_named():
                 grpo_loss(logp, old, adv, w, sampler_logp=sampler, **{option: bad})
     with pytest.raises(ValueError, match="beta must be finite"):
         grpo_loss(logp, old, adv, w, ref_logp=old, beta=math.inf)
+    with pytest.raises(ValueError, match="logp must be a floating tensor"):
+        grpo_loss(logp.long(), old, adv, w)
     assert math.isfinite(grpo_loss(logp, old, adv, w)[0].item())
 
 

@@ -287,6 +287,19 @@ def test_bad_inputs_are_named():
         fused_linear_logprob(hidden, weight, targets, temperature=0.0)
     with pytest.raises(ValueError, match="impl='torch' only"):
         fused_linear_logprob(hidden.double(), weight.double(), targets, impl="triton")
+    with pytest.raises(ValueError, match="weight has no rows"):
+        fused_linear_logprob(hidden, weight[:0], targets, impl="torch")
+
+
+def test_the_fake_declares_the_dtypes_the_op_returns():
+    """fp64 inputs (the gradcheck path) give fp64 outputs; the fake, which torch.compile plans
+    with, must say so."""
+    from rlmtrain_kernels.logprob import _linear_logprob_fwd
+
+    hidden, weight, targets, _, _ = make_inputs(3, 16, 40, torch.float64, "cpu")
+    args = (hidden.detach(), weight.detach(), targets, 1.0, IGNORE, True, False, "torch")
+    assert [t.dtype for t in _linear_logprob_fwd(*args)][:3] == [torch.float64] * 3
+    torch.library.opcheck(_linear_logprob_fwd, args)
 
 
 def test_imports_and_runs_without_triton():

@@ -403,6 +403,7 @@ def grpo_loss(
         "grpo_loss",
         logp.shape[0],
         logp.device,
+        logp=logp,
         old_logp=old_logp,
         advantages=advantages,
         weights=weights,

@@ -19,6 +19,8 @@ def check_linear_inputs(
         raise ValueError(
             f"{op}: weight must be [V, H={hidden.shape[1]}], got shape {list(weight.shape)}"
         )
+    if weight.shape[0] == 0:
+        raise ValueError(f"{op}: weight has no rows: a vocabulary of 0 tokens has no log-probs")
     if targets.shape != (hidden.shape[0],):
         raise ValueError(f"{op}: targets must be [N={hidden.shape[0]}], got {list(targets.shape)}")
     if hidden.dtype not in FLOAT_DTYPES or weight.dtype != hidden.dtype:

@@ -383,7 +383,8 @@ def _keeps(hidden: torch.Tensor, keep_logits: bool, impl: str) -> bool:
 @_linear_logprob_fwd.register_fake
 def _(hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl):
     n, v = hidden.shape[0], weight.shape[0]
-    f32 = dict(dtype=torch.float32, device=hidden.device)
+    # The torch path computes fp64 inputs in fp64 (for gradcheck); every other input in fp32.
+    f32 = dict(dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
     # The kept slab follows the count of trained rows, a data-dependent size: its rows, and
     # with slabs of columns its columns too.
     kept_shape = (0, v)
@@ -395,7 +396,7 @@ def _(hidden, weight, targets, temperature, ignore_index, with_entropy, keep_log
         hidden.new_empty(n, **f32),
         hidden.new_empty(n if with_entropy else 0, **f32),
         hidden.new_empty(n, **f32),
-        hidden.new_empty(kept_shape, **f32),
+        hidden.new_empty(kept_shape, dtype=torch.float32, device=hidden.device),
     )
 
 
