@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -44,7 +45,9 @@ from torch.distributed.checkpoint.state_dict import (
 from rlmtrain import parallel
 from rlmtrain.model.hf import CheckpointError
 
-__all__ = ["TrainerState", "check", "latest", "load", "load_frozen", "save", "trainer_state"]
+__all__ = [
+    "TrainerState", "check", "latest", "load", "load_frozen", "names", "save", "trainer_state",
+]  # fmt: skip
 
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^(sft|rl)-(\d{6})$")
@@ -62,6 +65,10 @@ class TrainerState(msgspec.Struct, kw_only=True):
     schedules: dict[str, float | int | str] = msgspec.field(default_factory=dict)
     """The config values the schedules follow, by dotted key (`train.SCHEDULE_KEYS`); empty in
     a checkpoint written before they were recorded."""
+    optimizer_stepped: bool = True
+    """Whether the optimizer had taken a step (and so holds state) when this was written. An
+    RL phase whose first steps found nothing to learn from checkpoints a fresh optimizer, and a
+    resume must leave it fresh: Adam started by a zero step would count one step more."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -90,8 +97,15 @@ def save(
             shutil.rmtree(stale, ignore_errors=True)
         temporary.mkdir()
     parallel.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    everything = {"model": model_state, "optim": optim_state}
+    # torch's get_state_dict would start an empty optimizer with a zero step (or not, when
+    # stale gradients are about): which would change the run being saved and give a resume
+    # different keys to look for. A fresh optimizer is recorded as fresh instead.
+    state = msgspec.structs.replace(state, optimizer_stepped=bool(optimizer.state))
+    if state.optimizer_stepped:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        everything = {"model": model_state, "optim": optim_state}
+    else:
+        everything = {"model": get_model_state_dict(model)}
     everything.update({name: get_model_state_dict(m) for name, m in (frozen or {}).items()})
     dcp.save(everything, checkpoint_id=str(temporary / "state"))
     rng = {
@@ -125,15 +139,20 @@ def save(
 def latest(run_dir: Path) -> Path | None:
     """The newest checkpoint folder in the run, None when there is none; the newest one
     incomplete or damaged is a CheckpointError naming it."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
+    found = names(run_dir)
+    if not found:
         return None
-    names = [p.name for p in root.iterdir() if _NAME.match(p.name)]
-    if not names:
-        return None
-    newest = root / max(names, key=_order)
+    newest = checkpoints_dir(run_dir) / found[-1]
     check(newest)
     return newest
+
+
+def names(run_dir: Path) -> list[str]:
+    """The names of the run's checkpoint folders, complete or not, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted((p.name for p in root.iterdir() if _NAME.match(p.name)), key=_order)
 
 
 def check(path: Path) -> None:
@@ -147,8 +166,14 @@ def check(path: Path) -> None:
         )
     try:
         manifest = json.loads(mark.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"{path}: unreadable {COMPLETE} manifest") from None
+    if not isinstance(manifest, dict) or not all(
+        isinstance(size, int) and not isinstance(size, bool) for size in manifest.values()
+    ):
+        raise CheckpointError(f"{path}: {COMPLETE} is not a manifest of file sizes")
+    if "trainer.json" not in manifest or not any(n.startswith("state/") for n in manifest):
+        raise CheckpointError(f"{path}: damaged checkpoint: its manifest lists no trainer state")
     for name, size in manifest.items():
         file = path / name
         if not file.is_file():
@@ -165,7 +190,7 @@ def trainer_state(path: Path) -> TrainerState:
     do)."""
     try:
         return msgspec.json.decode((path / "trainer.json").read_bytes(), type=TrainerState)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise CheckpointError(f"{path}/trainer.json: {exc}") from None
 
 
@@ -179,12 +204,17 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
             f"{path}: written by {state.world_size} ranks, resumed on {dist.get_world_size()}; "
             "resume with the same number of ranks"
         )
-    model_state, optim_state = get_state_dict(model, optimizer)
-    wanted = {"model": model_state, "optim": optim_state}
-    _read(path, wanted)
-    set_state_dict(
-        model, optimizer, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"]
-    )
+    if optimizer.state:
+        raise ValueError("checkpointing.load restores into a freshly built optimizer only")
+    if state.optimizer_stepped:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        wanted = {"model": model_state, "optim": optim_state}
+        _read(path, wanted)
+        set_state_dict(
+            model, optimizer, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"]
+        )
+    else:
+        load_frozen(path, "model", model)
     try:
         rng: dict[str, Any] = pickle.loads((path / f"rng-{dist.get_rank()}.pkl").read_bytes())
     except (OSError, pickle.UnpicklingError, EOFError) as exc:
@@ -207,10 +237,18 @@ def load_frozen(path: Path, name: str, module: torch.nn.Module) -> None:
 def _read(path: Path, wanted: dict[str, Any]) -> None:
     try:
         dcp.load(wanted, checkpoint_id=str(path / "state"))
-    except Exception as exc:  # noqa: BLE001 - any reader failure means a damaged checkpoint
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise CheckpointError(f"{path}: unreadable model/optimizer state: {first}") from None
+    # CheckpointException, which dcp raises for a failure on any rank, is a BaseException.
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any reader failure
+        raise CheckpointError(f"{path}: unreadable model state: {_first_cause(exc)}") from None
+
+
+def _first_cause(exc: BaseException) -> str:
+    """One line saying why dcp failed: the first failing rank's own error where it wraps one."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 def _complete_names(root: Path) -> list[str]:

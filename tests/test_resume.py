@@ -18,8 +18,10 @@ This holds with TIS on because the native engine's sampled-token log-probs, whic
 are the same bits in any batch company (`model.paged_attention`), and each request's seed is its
 place in the tree.
 
-A checkpoint cut short or missing its completion mark is refused with one line, and so is a
-resume under other values of the keys the LR, exploration and tool-credit schedules follow.
+A checkpoint cut short, missing its completion mark or with a manifest that is none is refused
+with one line, and so is a resume under other values of the keys the LR, exploration and
+tool-credit schedules follow, under another seed or into another model shape, and a new run
+started over an earlier run's checkpoints. A checkpoint written before RL's first update resumes.
 """
 
 from __future__ import annotations
@@ -223,15 +225,29 @@ def _one_checkpoint(tmp_path: Path, one_step_run: Path) -> Path:
     return Path(shutil.copytree(one_step_run, tmp_path / "run"))
 
 
-@pytest.mark.parametrize("damage", ["truncated", "unmarked"])
+# How each damage is named in the one line that refuses it.
+DAMAGES = {
+    "truncated": "damaged",
+    "unmarked": "incomplete",
+    "manifest a list": "not a manifest",
+    "manifest emptied": "lists no trainer state",
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, two_tasks, one_step_run, damage):
     run = _one_checkpoint(tmp_path, one_step_run)
     checkpoint = run / "checkpoints" / "sft-000001"
     if damage == "truncated":
         victim = max((p for p in (checkpoint / "state").iterdir()), key=lambda p: p.stat().st_size)
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    else:
+    elif damage == "unmarked":
         (checkpoint / "COMPLETE").unlink()
+    elif damage == "manifest a list":
+        (checkpoint / "COMPLETE").write_text("[]")
+    else:  # a manifest promising nothing, beside a trainer state that is gone
+        (checkpoint / "COMPLETE").write_text("{}")
+        (checkpoint / "trainer.json").unlink()
     before = {p.name for p in (run / "checkpoints").iterdir()}
     result = subprocess.run(
         [*_launch(1, False), *_args(run, two_tasks, "--checkpoint.resume=true")],
@@ -241,7 +257,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, two_tasks, one_st
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert str(checkpoint) in lines[0]
-    assert ("damaged" if damage == "truncated" else "incomplete") in lines[0]
+    assert DAMAGES[damage] in lines[0]
     assert {p.name for p in (run / "checkpoints").iterdir()} == before  # nothing removed
     shutil.rmtree(run)
 
@@ -264,6 +280,81 @@ def test_a_resume_under_other_schedules_is_refused_in_one_line(tmp_path, two_tas
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert str(checkpoint) in lines[0] and "algo.exploration_beta=0.0" in lines[0], lines[0]
+
+
+def _refusal(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def _train(run: Path, two_tasks: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*_launch(1, False), *_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0"),
+         *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+    )  # fmt: skip
+
+
+def test_a_resume_under_another_seed_is_refused_in_one_line(tmp_path, two_tasks, one_step_run):
+    run = _one_checkpoint(tmp_path, one_step_run)
+    line = _refusal(_train(run, two_tasks, "--checkpoint.resume=true", "--train.seed=7"))
+    assert str(run / "checkpoints" / "sft-000001") in line
+    assert "train.seed=0" in line and "7" in line, line
+
+
+def test_a_resume_into_another_model_shape_is_refused_in_one_line(
+    tmp_path, two_tasks, one_step_run
+):
+    """The reader's own error (a CheckpointException, which is no Exception) comes back as
+    the one line, naming the checkpoint."""
+    run = _one_checkpoint(tmp_path, one_step_run)
+    result = _train(run, two_tasks, "--checkpoint.resume=true", "--model.vocab_size=4096")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]  # after the run's own log lines
+    assert line.startswith("rlmtrain: error: ") and "Size mismatch" in line, line
+    assert str(run / "checkpoints" / "sft-000001") in line and "unreadable" in line, line
+
+
+def test_a_new_run_over_an_earlier_runs_checkpoints_is_refused(tmp_path, two_tasks, one_step_run):
+    """Mixed into one folder, the new run's pruning could delete its own checkpoints and a later
+    resume pick the old run's; its records would be emptied. Nothing is touched."""
+    run = _one_checkpoint(tmp_path, one_step_run)
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    line = _refusal(_train(run, two_tasks))
+    assert str(run / "checkpoints") in line and "sft-000001" in line, line
+    assert "--checkpoint.resume=true" in line
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_checkpoint_before_the_first_rl_update_resumes(tmp_path, two_tasks):
+    """RL steps that find nothing to learn from (every sample scored alike: the untrained
+    model) leave the RL optimizer fresh. Its checkpoint records it so, and the resume keeps it
+    fresh, where torch's reader would look for moments that were never made."""
+    run = tmp_path / "run"
+    rl = ("--train.sft_steps=1", "--train.steps=2", "--train.tasks_per_step=1",
+          "--rollout.n_samples=2")  # fmt: skip
+    first = subprocess.run(
+        [*_launch(1, False), *_args(run, two_tasks, *rl)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = [r for r in _rows(run) if r["phase"] == "rl"]
+    assert [r["groups_kept"] for r in rows] == [0, 0], rows
+    states = {
+        name: json.loads((run / "checkpoints" / name / "trainer.json").read_text())
+        for name in ("sft-000001", "rl-000001", "rl-000002")
+    }
+    assert states["sft-000001"]["optimizer_stepped"] is True
+    assert states["rl-000001"]["optimizer_stepped"] is False
+    shutil.rmtree(run / "checkpoints" / "rl-000002")
+    resumed = subprocess.run(
+        [*_launch(1, False), *_args(run, two_tasks, *rl), "--checkpoint.resume=true"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "rl-000001" in resumed.stderr
 
 
 class _Texts:
