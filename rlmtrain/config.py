@@ -42,6 +42,10 @@ __all__ = [
 ]
 
 
+SEED_MAX = 2**32 - 1
+"""The largest seed every generator a run seeds takes (numpy's is 32-bit)."""
+
+
 class ConfigError(ValueError):
     """A bad run file or override; the message is one line naming the key and the file."""
 
@@ -85,7 +89,7 @@ class ModelConfig(_Section):
     activation_checkpointing: Annotated[
         bool, _doc("recompute each decoder layer in backward to save memory")
     ] = False
-    seed: Annotated[int, _doc("seed for random initialisation")] = 0
+    seed: Annotated[int, _doc("seed for random initialisation", ge=0, le=SEED_MAX)] = 0
 
 
 class DataConfig(_Section):
@@ -119,7 +123,7 @@ class DataConfig(_Section):
     synth_max_papers: Annotated[
         int, _doc("most papers in a synthesised group (multi-paper tasks need >= 2)", ge=1, le=10)
     ] = 10
-    seed: Annotated[int, _doc("seed for data synthesis and task order")] = 0
+    seed: Annotated[int, _doc("seed for data synthesis and task order", ge=0, le=SEED_MAX)] = 0
 
 
 class RolloutConfig(_Section):
@@ -314,7 +318,7 @@ class TrainConfig(_Section):
     device: Annotated[
         str, _doc("'auto', 'cpu', 'cuda' or 'cuda:N'", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     ] = "auto"
-    seed: Annotated[int, _doc("seed for sampling and data order")] = 0
+    seed: Annotated[int, _doc("seed for sampling and data order", ge=0, le=SEED_MAX)] = 0
 
 
 class CheckpointConfig(_Section):
@@ -364,7 +368,9 @@ class EvalConfig(_Section):
         int,
         _doc("evaluate every N RL steps (also at init, after SFT and at the end); 0 = off", ge=0),
     ] = 0
-    seed: Annotated[int, _doc("sampling seed of every evaluation (same seed, same numbers)")] = 1234
+    seed: Annotated[
+        int, _doc("sampling seed of every evaluation (same seed, same numbers)", ge=0, le=SEED_MAX)
+    ] = 1234
 
 
 class JudgeConfig(_Section):
@@ -484,7 +490,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "ov
             raise ConfigError(f"{source}: unknown key '{key}' (no section '{section}')")
         if field not in SECTIONS[section].__struct_fields__:
             raise ConfigError(f"{source}: unknown key '{key}'")
-        raw.setdefault(section, {})[field] = _parse_value(value)
+        parsed = _parse_value(value)
+        # A text key takes the text as written: `--checkpoint.dir=1e3` is the folder "1e3".
+        if _takes_text(SECTIONS[section], field) and not isinstance(parsed, str):
+            parsed = value
+        raw.setdefault(section, {})[field] = parsed
 
 
 def _parse_value(value: str) -> Any:
@@ -492,6 +502,13 @@ def _parse_value(value: str) -> Any:
         return tomllib.loads(f"v = {value}")["v"]
     except tomllib.TOMLDecodeError:
         return value
+
+
+def _takes_text(section: type[_Section], field: str) -> bool:
+    hint = typing.get_type_hints(section)[field]
+    if typing.get_origin(hint) is Literal:
+        return all(isinstance(choice, str) for choice in typing.get_args(hint))
+    return hint is str
 
 
 def field_docs(section: type[_Section]) -> dict[str, str]:

@@ -181,10 +181,15 @@ def cli(argv: list[str]) -> int:
     from rlmtrain.evaluation import format_report
 
     line = json.dumps(report)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    # Printed first: an evaluation takes minutes, and a bad --out must not lose its report.
     print(format_report(report))
     print(line)
+    if args.out:
+        try:
+            Path(args.out).write_text(line + "\n")
+        except OSError as exc:
+            print(f"rlmtrain eval: error: --out {args.out}: {exc.strerror}", file=sys.stderr)
+            return 2
     return 0
 
 

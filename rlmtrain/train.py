@@ -38,6 +38,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -69,7 +70,7 @@ from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs.base import Env, Task, get_env
 from rlmtrain.evaluation import evaluate, spawned
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
-from rlmtrain.model import CheckpointError, Transformer, build_model, save_hf
+from rlmtrain.model import PRESETS, CheckpointError, Transformer, build_model, save_hf
 from rlmtrain.model.bpe import BPE_FILES, tokenizer_files, train_bpe, trained_tokenizer_dir
 from rlmtrain.model.hf import hf_named
 from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
@@ -113,8 +114,7 @@ def main(cfg: Config) -> int:
 async def _train(cfg: Config, world: parallel.World, device: torch.device) -> int:
     began = time.perf_counter()
     check_served(cfg.judge)  # before the run writes anything
-    run_dir = Path(cfg.checkpoint.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = _run_dir(cfg)
     resume_from = _resume_point(cfg, run_dir)
 
     # ---------------------------------------------------------------- data
@@ -698,6 +698,10 @@ def _clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Co
 
 
 def _refuse_unwired(cfg: Config, device: torch.device) -> None:
+    if not cfg.model.hf_dir and cfg.model.preset not in PRESETS:
+        raise ConfigError(
+            f"model.preset: unknown preset {cfg.model.preset!r}; known: {', '.join(PRESETS)}"
+        )
     if cfg.rollout.colocate and device.type != "cuda":
         raise ConfigError(
             "rollout.colocate: vLLM's sleep mode frees GPU memory; this run trains on "
@@ -749,17 +753,60 @@ def _check_schedules(
         )
 
 
+def _run_dir(cfg: Config) -> Path:
+    """The run folder, made; refused at the start, in one line, where the run could not write
+    what it makes (before hours of training end in a lost export)."""
+    run_dir = Path(cfg.checkpoint.dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"checkpoint.dir: cannot make {run_dir}: {exc.strerror}") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"checkpoint.dir: {run_dir} is not writable")
+    final = run_dir / "final"
+    if final.exists() and not final.is_dir():
+        raise ConfigError(f"checkpoint.dir: {final}, where the trained model goes, is a file")
+    if cfg.logging.metrics_path:
+        metrics = Path(cfg.logging.metrics_path)
+        if metrics.is_dir():
+            raise ConfigError(f"logging.metrics_path: {metrics} is a folder; name a .jsonl file")
+        try:
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"logging.metrics_path: cannot make {metrics.parent}: {exc.strerror}"
+            ) from None
+    return run_dir
+
+
 def _resume_point(cfg: Config, run_dir: Path) -> Path | None:
     """The checkpoint `checkpoint.resume` continues from; None for a fresh run (also when the
     run has none yet). An incomplete or damaged newest one, or one whose schedules the config
     would change, is a CheckpointError."""
     if not cfg.checkpoint.resume:
+        earlier = checkpointing.names(run_dir)
+        if earlier:
+            # A new run's checkpoints would mix with these: pruning by step could delete the
+            # new run's and a later resume could pick the old run's.
+            raise CheckpointError(
+                f"{checkpointing.checkpoints_dir(run_dir)} holds an earlier run's checkpoints "
+                f"(newest {earlier[-1]}): --checkpoint.resume=true continues that run; to start "
+                "a new one, choose another checkpoint.dir or remove that folder"
+            )
         return None
     found = checkpointing.latest(run_dir)
     if found is None:
         log.info("checkpoint.resume: no checkpoint in %s yet, starting fresh", run_dir)
-    else:
-        _check_schedules(found, checkpointing.trainer_state(found).schedules, _schedules(cfg))
+        return None
+    recorded = checkpointing.trainer_state(found)
+    _check_schedules(found, recorded.schedules, _schedules(cfg))
+    if recorded.seed != cfg.train.seed:
+        # The data order and every sample drawn follow the seed; the generators restored from
+        # the checkpoint would silently overrule the config's.
+        raise CheckpointError(
+            f"{found}: its run was seeded with train.seed={recorded.seed} (the config says "
+            f"{cfg.train.seed}); resume with the checkpoint's seed, or start a new run"
+        )
     return found
 
 

@@ -52,6 +52,13 @@ def test_defaults_and_overrides_convert_types(run_file):
     assert cfg.rollout == Config().rollout
 
 
+def test_a_text_key_takes_the_text_as_written():
+    """TOML would read these as a number or a boolean; the keys hold text."""
+    cfg = load_config(None, ["--checkpoint.dir=1e3", "--logging.metrics_path=true"])
+    assert cfg.checkpoint.dir == "1e3" and cfg.logging.metrics_path == "true"
+    assert load_config(None, ['--checkpoint.dir="quoted"']).checkpoint.dir == "quoted"
+
+
 def test_show_output_round_trips(run_file):
     cfg = load_config(None, ["--rollout.temperature=0.7", "--data.env=booknav"])
     again = load_config(run_file(to_toml(cfg)))
@@ -70,6 +77,8 @@ def test_show_output_round_trips(run_file):
         ("", ["--train.nosuch=1"], "train.nosuch"),
         ("", ["--train.lr=fast"], "train.lr"),
         ("", ["--train.device=gpu"], "train.device"),
+        ("", ["--train.seed=-1"], "train.seed"),
+        ("", ["--model.seed=4294967296"], "model.seed"),
     ],
 )
 def test_bad_input_names_the_key(run_file, text, overrides, named):
@@ -206,3 +215,49 @@ def test_train_without_its_judge_served_stops_in_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "judge.base_url: nothing answers at" in lines[0], result.stderr
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def _train_refusal(tmp_path: Path, *overrides: str) -> str:
+    result = run_cli(
+        "train", "--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={tmp_path / 'run'}",
+        *overrides,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_train_refuses_an_unknown_preset_or_environment_in_one_line(tmp_path):
+    line = _train_refusal(tmp_path, "--model.preset=qwen9")
+    assert "model.preset" in line and "'qwen9'" in line and "tiny" in line, line
+    line = _train_refusal(tmp_path, "--data.env=nosuch")
+    assert "data.env" in line and "'nosuch'" in line and "evidence" in line, line
+
+
+def test_train_refuses_run_paths_it_could_not_write_in_one_line(tmp_path):
+    """Each at the start, not hours later when the run first writes there."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    result = run_cli(
+        "train", "--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={a_file / 'run'}"
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "checkpoint.dir" in result.stderr and str(a_file) in result.stderr
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "final").write_text("")
+    line = _train_refusal(tmp_path, "--data.sft_groups=1")
+    assert "checkpoint.dir" in line and "final" in line and "is a file" in line, line
+    (tmp_path / "run" / "final").unlink()
+    line = _train_refusal(tmp_path, f"--logging.metrics_path={tmp_path}")
+    assert "logging.metrics_path" in line and "folder" in line, line
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_python_dash_m_rlmtrain_is_the_command():
+    result = subprocess.run(
+        [sys.executable, "-m", "rlmtrain", "config", "show", "--train.steps=3"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert tomllib.loads(result.stdout)["train"]["steps"] == 3

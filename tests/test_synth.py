@@ -109,3 +109,7 @@ def test_cli(tmp_path, capsys):
     )
     assert cli(["--out", str(tmp_path), "--groups", "0"]) == 2
     assert "--groups must be >= 1" in capsys.readouterr().err
+    a_file = tmp_path / "corpus.jsonl"
+    assert cli(["--out", str(a_file), "--groups", "1", "--no-progress"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rlmtrain data synth: error: --out") and str(a_file) in line, line

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
+from rlmtrain.config import ConfigError
+
 if TYPE_CHECKING:
     from rlmtrain.config import Config
     from rlmtrain.rlm.records import RolloutGroup
@@ -315,5 +317,7 @@ def get_env(name: str, config: Config | None = None) -> Env:
         importlib.import_module(_BUILTIN_MODULES[name])
     factory = _REGISTRY.get(name)
     if factory is None:
-        raise ValueError(f"unknown environment {name!r}; known: {', '.join(available_envs())}")
+        raise ConfigError(
+            f"data.env: unknown environment {name!r}; known: {', '.join(available_envs())}"
+        )
     return factory(config)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from rlmtrain.config import RolloutConfig
+from rlmtrain.config import ConfigError, RolloutConfig
 from rlmtrain.envs.evidence import EvidenceEnv, EvidenceTask
 from rlmtrain.envs.teacher import fenced_code, last_user_message, play, query_and_turn
 from rlmtrain.rlm.prompts import PromptStyle
@@ -329,9 +329,10 @@ async def teach(
     )
     needed = 2 if config.prompt_style == "compact" else 5
     if config.max_depth < 1 or config.max_turns < needed:
-        raise ValueError(
-            f"evidence teacher: needs rollout.max_depth >= 1 and max_turns >= {needed}, got "
-            f"max_depth={config.max_depth}, max_turns={config.max_turns}"
+        raise ConfigError(
+            f"rollout.max_turns: the evidence teacher needs rollout.max_depth >= 1 and "
+            f"max_turns >= {needed} for its SFT trees, got max_depth={config.max_depth}, "
+            f"max_turns={config.max_turns}"
         )
     style = config.prompt_style
     return await play(

@@ -205,6 +205,11 @@ def cli(argv: list[str]) -> int:
             f"rlmtrain data synth: error: --groups must be >= 1, got {args.groups}", file=sys.stderr
         )
         return 2
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"rlmtrain data synth: error: --out {args.out}: {exc.strerror}", file=sys.stderr)
+        return 2
     summary = synthesize(
         args.out,
         groups=args.groups,
