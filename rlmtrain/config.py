@@ -327,13 +327,18 @@ class CheckpointConfig(_Section):
         int,
         _doc(
             "save a resumable checkpoint (sharded model and optimizer, trainer state, RNG) every "
-            "N steps of each phase under dir/checkpoints; 0 = none (the final export only)",
+            "N steps of each phase and at its end, under dir/checkpoints; 0 = none (the final "
+            "export only)",
             ge=0,
         ),
     ] = 0
     keep: Annotated[int, _doc("resumable checkpoints kept, newest first", ge=1)] = 2
     resume: Annotated[
-        bool, _doc("resume from the newest complete checkpoint in dir (none yet: start fresh)")
+        bool,
+        _doc(
+            "resume from the newest complete checkpoint in dir (none yet: start fresh); false "
+            "refuses a dir that holds checkpoints"
+        ),
     ] = False
 
 

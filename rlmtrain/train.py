@@ -232,7 +232,7 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
                 row.update(phase="sft", step=step, lr=lr, seconds=time.perf_counter() - step_began)
                 sync.stale()
                 runlog.step(row)
-                if _due(cfg, step):
+                if _due(cfg, step, cfg.train.sft_steps):
                     save_checkpoint("sft", step + 1, lr)
                 if step % cfg.logging.every == 0 or step == cfg.train.sft_steps - 1:
                     log.info(
@@ -274,7 +274,9 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
                 save_checkpoint,
                 evaluate_now,
             )
-            await evaluate_now("final", cfg.train.sft_steps + cfg.train.steps)
+            # A run resumed after its last step (killed in the export) has it on record.
+            if not parallel.broadcast(runlog.evaluated("final")):
+                await evaluate_now("final", cfg.train.sft_steps + cfg.train.steps)
 
         # ------------------------------------------------------------ export
         out = _export(cfg, model, tokenizer, tokenizer_dir, run_dir / "final", world)
@@ -434,7 +436,7 @@ async def _rl(
                     for turn in trajectory.turns
                 ],
             )
-            if _due(cfg, step):
+            if _due(cfg, step, cfg.train.steps):
                 save_checkpoint("rl", step + 1, lr, reference)
             if step % cfg.logging.every == 0 or step == cfg.train.steps - 1:
                 log.info(
@@ -959,9 +961,11 @@ def _export(
     return out
 
 
-def _due(cfg: Config, step: int) -> bool:
+def _due(cfg: Config, step: int, steps: int) -> bool:
+    """Whether step `step` of a phase of `steps` ends in a checkpoint: every N, and the phase's
+    last, so a run killed after a phase never has to do any of it again."""
     every = cfg.checkpoint.every
-    return bool(every) and (step + 1) % every == 0
+    return bool(every) and ((step + 1) % every == 0 or step + 1 == steps)
 
 
 # ==================================================================== helpers

@@ -1,5 +1,6 @@
 """The embedded default, shortened, as a user runs it: deterministic, on its stored curve, the
-same through the fused and the unfused loss, and reproducible by `rlmtrain eval`.
+same through the fused and the unfused loss, reproducible by `rlmtrain eval`, and run again,
+going on from its checkpoints.
 
 The short run is `configs/tiny-cpu.toml` with fewer groups and steps (`SHORT`): the whole loop
 (synthesis, BPE tokenizer, teacher through the scheduler, SFT, GRPO, evaluations, plot, events)
@@ -144,3 +145,19 @@ def test_eval_reproduces_the_final_evaluation(two_runs):
     report = json.loads(result.stdout.strip().splitlines()[-1])
     for key in ("reward_mean", "tasks", "spawn_rate", "children_per_root", "sample_digest"):
         assert report[key] == final[key], key
+
+
+def test_the_same_command_again_goes_on_from_the_checkpoints(two_runs):
+    """The default checkpoints each phase's end and resumes: run again, a finished run
+    redoes no step and no evaluation (its records stay as they were) and exports again."""
+    run_dir = two_runs[1]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["rl-000002", "sft-000006"]
+    records = {name: (run_dir / name).read_bytes() for name in ("metrics.jsonl", "eval.jsonl")}
+    exported = (run_dir / "final" / "model.safetensors").read_bytes()
+    result = _train(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr and "rl-000002" in result.stderr
+    assert "eval " not in result.stderr  # no evaluation line
+    assert {name: (run_dir / name).read_bytes() for name in records} == records
+    assert (run_dir / "final" / "model.safetensors").read_bytes() == exported
