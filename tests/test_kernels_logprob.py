@@ -300,6 +300,16 @@ def test_the_fake_declares_the_dtypes_the_op_returns():
     args = (hidden.detach(), weight.detach(), targets, 1.0, IGNORE, True, False, "torch")
     assert [t.dtype for t in _linear_logprob_fwd(*args)][:3] == [torch.float64] * 3
     torch.library.opcheck(_linear_logprob_fwd, args)
+    from rlmtrain_kernels.fused_grpo import _linear_grpo_fwd
+    from rlmtrain_kernels.fused_nll import _linear_nll_fwd
+
+    ones = torch.ones(3)
+    nll_args = (*args[:3], ones, 1.0, IGNORE, True, True, True, "torch")
+    assert {t.dtype for t in _linear_nll_fwd(*nll_args)} == {torch.float64}
+    torch.library.opcheck(_linear_nll_fwd, nll_args)
+    grpo_args = (*args[:3], torch.zeros(3), ones, ones, None, None, 1.0, IGNORE, 0.0, 0.2, 0.2,
+                 None, None, True, True, True, "torch")  # fmt: skip
+    torch.library.opcheck(_linear_grpo_fwd, grpo_args)
 
 
 def test_imports_and_runs_without_triton():

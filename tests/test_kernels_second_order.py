@@ -134,3 +134,34 @@ def test_grpo_loss_alone_second_derivative(impl):
         results.append((g, *torch.autograd.grad(g.sum(), x)))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_padding_reaches_no_second_order_gradient(impl):
+    """What the first-order path never reads (an ignored row's hidden state, a weight-0 token's
+    old/ref/sampler log-probs) may be padding, inf included: differentiated with its graph, the
+    loss must give the first-order gradients, finite, not NaN through 0 * inf."""
+    hidden, weight, targets, tok = head_inputs()
+    hidden, weight = hidden.float(), weight.float()
+    hidden[0] = float("inf")  # row 0 is ignored
+    w = tok["w"].clone()
+    w[1] = 0.0
+    padded = {k: tok[k].clone() for k in ("old", "ref", "sampler")}
+    for t in padded.values():
+        t[1] = float("-inf")
+
+    def gradients(create_graph):
+        x, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, _ = fused_linear_grpo_loss(
+            x, wt, targets, padded["old"], tok["adv"], w, ref_logp=padded["ref"],
+            sampler_logp=padded["sampler"], impl=impl, **GRPO,
+        )  # fmt: skip
+        nll = fused_linear_nll(x, wt, targets, w, impl=impl)
+        logp = fused_linear_logprob(x, wt, targets, impl=impl)
+        alone, _ = grpo_loss(logp, padded["old"], tok["adv"], w, impl=impl, clip_low=CLIP_LOW)
+        return torch.autograd.grad(loss + nll + alone, (x, wt), create_graph=create_graph)
+
+    first, second = gradients(False), gradients(True)
+    for a, b in zip(first, second, strict=True):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(b.detach(), a, rtol=1e-5, atol=1e-5)

@@ -140,13 +140,15 @@ def _(hidden, weight, targets, old_logp, advantages, weights, ref_logp, sampler_
       ignore_index, beta, clip_low, clip_high, dual_clip, tis_cap, with_entropy, need_grad_hidden,
       need_grad_weight, impl):  # fmt: skip
     f32 = dict(dtype=torch.float32, device=hidden.device)
+    # The loss and its sums are fp32 always; the head's outputs fp64 for fp64 inputs (torch).
+    head = dict(dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
     n = hidden.shape[0]
     return (
         hidden.new_empty((), **f32),
         hidden.new_empty(NUM_METRIC_SUMS, **f32),
-        hidden.new_empty(n if with_entropy else 0, **f32),
-        hidden.new_empty(hidden.shape if need_grad_hidden else (0,), **f32),
-        hidden.new_empty(weight.shape if need_grad_weight else (0,), **f32),
+        hidden.new_empty(n if with_entropy else 0, **head),
+        hidden.new_empty(hidden.shape if need_grad_hidden else (0,), **head),
+        hidden.new_empty(weight.shape if need_grad_weight else (0,), **head),
     )
 
 

@@ -75,7 +75,8 @@ def _linear_nll_fwd(
 @_linear_nll_fwd.register_fake
 def _(hidden, weight, targets, weights, temperature, ignore_index, with_entropy, need_grad_hidden,
       need_grad_weight, impl):  # fmt: skip
-    f32 = dict(dtype=torch.float32, device=hidden.device)
+    # fp64 inputs (the gradcheck path, torch only) give fp64 outputs; any other dtype fp32.
+    f32 = dict(dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
     return (
         hidden.new_empty((), **f32),
         hidden.new_empty(hidden.shape[0] if with_entropy else 0, **f32),

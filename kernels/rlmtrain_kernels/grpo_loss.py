@@ -317,7 +317,17 @@ def token_loss(logp, old_logp, advantages, weights, ref_logp, sampler_logp, opti
     derivative is the gradient `reference.grpo_forward` writes out. old_logp None is the detached
     logp, as in the forward."""
     beta, clip_low, clip_high, dual_clip, tis_cap, _ = options
-    old = logp.detach() if old_logp is None else old_logp
+    # A weight-0 token's inputs may be padding (an old_logp of -inf): the loss drops it with
+    # `where`, but autograd would still multiply through its inf. Each is made the detached
+    # logp there, so nothing but finite zeros flows back from it.
+    counted = weights != 0
+    held = logp.detach()
+    logp = torch.where(counted, logp, held)
+    old_logp, ref_logp, sampler_logp = (
+        None if t is None else torch.where(counted, t, held)
+        for t in (old_logp, ref_logp, sampler_logp)
+    )
+    old = held if old_logp is None else old_logp
     loss, _, _ = reference.grpo_forward(
         logp, old, advantages, weights, ref_logp, sampler_logp, beta=beta, clip_low=clip_low,
         clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap,

@@ -8,6 +8,9 @@ weight or logp, and give a wrong answer without a word. Such a backward takes th
 the same loss formed again by plain torch operations (full logits, in fp32, or fp64 for fp64
 inputs) and differentiated by autograd with its graph, which is exact at any order. It costs an
 [N, V] tensor and its graph, which first-order training never pays: `wanted()` is false there.
+What every backward does pay is that the fused losses keep their inputs from the forward (hidden,
+weight, the per-token tensors: references, not copies; hidden [N, H] stays alive until the
+backward where the forward's stored gradients alone would have let it go).
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ def head_logprobs(
     """(logp [N], entropy [N] or None) of the linear head by full logits, differentiable at any
     order; rows whose target is `ignore_index` get 0."""
     dtype = torch.promote_types(hidden.dtype, torch.float32)
+    trained = targets != ignore_index
+    # An ignored row holds anything (padding, inf): zeroed before the head, it reaches no
+    # gradient, as on the first-order path, which never reads it.
+    hidden = torch.where(trained[:, None], hidden, 0)
     logits = (hidden.to(dtype) @ weight.to(dtype).T) / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
-    trained = targets != ignore_index
     picked = log_probs.gather(1, torch.where(trained, targets, 0)[:, None])[:, 0]
     logp = torch.where(trained, picked, 0.0)
     if not with_entropy:
