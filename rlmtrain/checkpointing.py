@@ -65,10 +65,11 @@ class TrainerState(msgspec.Struct, kw_only=True):
     schedules: dict[str, float | int | str] = msgspec.field(default_factory=dict)
     """The config values the schedules follow, by dotted key (`train.SCHEDULE_KEYS`); empty in
     a checkpoint written before they were recorded."""
-    optimizer_stepped: bool = True
+    optimizer_stepped: bool | None = None
     """Whether the optimizer had taken a step (and so holds state) when this was written. An
     RL phase whose first steps found nothing to learn from checkpoints a fresh optimizer, and a
-    resume must leave it fresh: Adam started by a zero step would count one step more."""
+    resume must leave it fresh: Adam started by a zero step would count one step more. None in
+    a checkpoint written before it was recorded: `load` then reads it off the saved keys."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -206,10 +207,12 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
         )
     if optimizer.state:
         raise ValueError("checkpointing.load restores into a freshly built optimizer only")
+    if state.optimizer_stepped is None:
+        state = msgspec.structs.replace(state, optimizer_stepped=_holds_optimizer_state(path))
     if state.optimizer_stepped:
         model_state, optim_state = get_state_dict(model, optimizer)
         wanted = {"model": model_state, "optim": optim_state}
-        _read(path, wanted)
+        _read(path, wanted, "model/optimizer")
         set_state_dict(
             model, optimizer, model_state_dict=wanted["model"], optim_state_dict=wanted["optim"]
         )
@@ -230,16 +233,25 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 def load_frozen(path: Path, name: str, module: torch.nn.Module) -> None:
     """Restore the frozen model saved as `name` (see `save`) into `module`."""
     wanted = {name: get_model_state_dict(module)}
-    _read(path, wanted)
+    _read(path, wanted, name)
     set_model_state_dict(module, wanted[name])
 
 
-def _read(path: Path, wanted: dict[str, Any]) -> None:
+def _holds_optimizer_state(path: Path) -> bool:
+    """Whether the checkpoint's saved keys include optimizer state (moments, step counts)."""
+    try:
+        keys = dcp.FileSystemReader(str(path / "state")).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - any reader failure means a damaged checkpoint
+        raise CheckpointError(f"{path}: unreadable state metadata: {_first_cause(exc)}") from None
+    return any(key.startswith("optim.state.") for key in keys)
+
+
+def _read(path: Path, wanted: dict[str, Any], what: str) -> None:
     try:
         dcp.load(wanted, checkpoint_id=str(path / "state"))
     # CheckpointException, which dcp raises for a failure on any rank, is a BaseException.
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any reader failure
-        raise CheckpointError(f"{path}: unreadable model state: {_first_cause(exc)}") from None
+        raise CheckpointError(f"{path}: unreadable {what} state: {_first_cause(exc)}") from None
 
 
 def _first_cause(exc: BaseException) -> str:

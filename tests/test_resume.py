@@ -82,7 +82,8 @@ def _args(run_dir: Path, tasks: Path, *extra: str) -> list[str]:
         f"--data.train_path={tasks}", f"--data.sft_path={tasks}",
         f"--train.sft_steps={SFT_STEPS}", f"--train.steps={RL_STEPS}", "--train.tasks_per_step=2",
         "--rollout.n_samples=4", "--eval.every=0", "--logging.progress=false",
-        "--logging.tensorboard=false", "--checkpoint.every=1", "--checkpoint.keep=20", *extra,
+        "--logging.tensorboard=false", "--checkpoint.every=1", "--checkpoint.keep=20",
+        "--checkpoint.resume=false", *extra,
     ]  # fmt: skip
 
 
@@ -349,12 +350,22 @@ def test_a_checkpoint_before_the_first_rl_update_resumes(tmp_path, two_tasks):
     assert states["sft-000001"]["optimizer_stepped"] is True
     assert states["rl-000001"]["optimizer_stepped"] is False
     shutil.rmtree(run / "checkpoints" / "rl-000002")
-    resumed = subprocess.run(
-        [*_launch(1, False), *_args(run, two_tasks, *rl), "--checkpoint.resume=true"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr and "rl-000001" in resumed.stderr
+    # And as a checkpoint from before the flag was recorded: read off the saved keys.
+    older = Path(shutil.copytree(run, tmp_path / "older"))
+    checkpoint = older / "checkpoints" / "rl-000001"
+    recorded = json.loads((checkpoint / "trainer.json").read_text())
+    del recorded["optimizer_stepped"]
+    (checkpoint / "trainer.json").write_text(json.dumps(recorded))
+    manifest = json.loads((checkpoint / "COMPLETE").read_text())
+    manifest["trainer.json"] = (checkpoint / "trainer.json").stat().st_size
+    (checkpoint / "COMPLETE").write_text(json.dumps(manifest))
+    for folder in (run, older):
+        resumed = subprocess.run(
+            [*_launch(1, False), *_args(folder, two_tasks, *rl), "--checkpoint.resume=true"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+        )  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "resumed from" in resumed.stderr and "rl-000001" in resumed.stderr
 
 
 class _Texts:
