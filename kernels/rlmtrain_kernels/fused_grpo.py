@@ -141,7 +141,7 @@ def _(hidden, weight, targets, old_logp, advantages, weights, ref_logp, sampler_
       need_grad_weight, impl):  # fmt: skip
     f32 = dict(dtype=torch.float32, device=hidden.device)
     # The loss and its sums are fp32 always; the head's outputs fp64 for fp64 inputs (torch).
-    head = dict(dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+    head = dict(dtype=reference.accumulation_dtype(hidden.dtype), device=hidden.device)
     n = hidden.shape[0]
     return (
         hidden.new_empty((), **f32),

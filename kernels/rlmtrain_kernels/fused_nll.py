@@ -76,12 +76,12 @@ def _linear_nll_fwd(
 def _(hidden, weight, targets, weights, temperature, ignore_index, with_entropy, need_grad_hidden,
       need_grad_weight, impl):  # fmt: skip
     # fp64 inputs (the gradcheck path, torch only) give fp64 outputs; any other dtype fp32.
-    f32 = dict(dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+    out = dict(dtype=reference.accumulation_dtype(hidden.dtype), device=hidden.device)
     return (
-        hidden.new_empty((), **f32),
-        hidden.new_empty(hidden.shape[0] if with_entropy else 0, **f32),
-        hidden.new_empty(hidden.shape if need_grad_hidden else (0,), **f32),
-        hidden.new_empty(weight.shape if need_grad_weight else (0,), **f32),
+        hidden.new_empty((), **out),
+        hidden.new_empty(hidden.shape[0] if with_entropy else 0, **out),
+        hidden.new_empty(hidden.shape if need_grad_hidden else (0,), **out),
+        hidden.new_empty(weight.shape if need_grad_weight else (0,), **out),
     )
 
 

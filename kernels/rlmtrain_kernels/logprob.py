@@ -384,7 +384,7 @@ def _keeps(hidden: torch.Tensor, keep_logits: bool, impl: str) -> bool:
 def _(hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl):
     n, v = hidden.shape[0], weight.shape[0]
     # The torch path computes fp64 inputs in fp64 (for gradcheck); every other input in fp32.
-    f32 = dict(dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+    out = dict(dtype=reference.accumulation_dtype(hidden.dtype), device=hidden.device)
     # The kept slab follows the count of trained rows, a data-dependent size: its rows, and
     # with slabs of columns its columns too.
     kept_shape = (0, v)
@@ -393,9 +393,9 @@ def _(hidden, weight, targets, temperature, ignore_index, with_entropy, keep_log
         columns = tiles.LOGPROB_SLABS == "columns"
         kept_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size() if columns else v)
     return (
-        hidden.new_empty(n, **f32),
-        hidden.new_empty(n if with_entropy else 0, **f32),
-        hidden.new_empty(n, **f32),
+        hidden.new_empty(n, **out),
+        hidden.new_empty(n if with_entropy else 0, **out),
+        hidden.new_empty(n, **out),
         hidden.new_empty(kept_shape, dtype=torch.float32, device=hidden.device),
     )
 

@@ -125,7 +125,7 @@ def _exp_tile_(
     return lse, target_z, mean_z, sum_exp
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 inputs; fp64 inputs stay fp64 (for gradcheck)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -145,7 +145,7 @@ def linear_logprob_forward(
     n, v = hidden.shape[0], weight.shape[0]
     chunk_rows, chunk_vocab = chunk_sizes(n, v, chunk_rows, chunk_vocab)
     inv_t = 1.0 / temperature
-    acc = _accumulation_dtype(hidden.dtype)
+    acc = accumulation_dtype(hidden.dtype)
     w32 = weight.to(acc)
     logp = hidden.new_empty(n, dtype=acc)
     lse = hidden.new_empty(n, dtype=acc)
@@ -237,7 +237,7 @@ def linear_logprob_backward(
     n, v = hidden.shape[0], weight.shape[0]
     chunk_rows, chunk_vocab = chunk_sizes(n, v, chunk_rows, chunk_vocab)
     inv_t = 1.0 / temperature
-    acc = _accumulation_dtype(hidden.dtype)
+    acc = accumulation_dtype(hidden.dtype)
     w32 = weight.to(acc)
     valid = targets != ignore_index
     g = torch.zeros(n, dtype=acc, device=hidden.device)
@@ -288,7 +288,7 @@ def linear_logprob_row_grads(
     n, v = hidden.shape[0], weight.shape[0]
     chunk_rows, chunk_vocab = chunk_sizes(n, v, chunk_rows, chunk_vocab)
     inv_t = 1.0 / temperature
-    acc = _accumulation_dtype(hidden.dtype)
+    acc = accumulation_dtype(hidden.dtype)
     w32 = weight.to(acc)
     logp = hidden.new_empty(n, dtype=acc)
     entropy = hidden.new_empty(n if with_entropy else 0, dtype=acc)

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from . import reference
+
 __all__ = ["grads", "head_logprobs", "wanted"]
 
 
@@ -37,7 +39,7 @@ def head_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp [N], entropy [N] or None) of the linear head by full logits, differentiable at any
     order; rows whose target is `ignore_index` get 0."""
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    dtype = reference.accumulation_dtype(hidden.dtype)
     trained = targets != ignore_index
     # An ignored row holds anything (padding, inf): zeroed before the head, it reaches no
     # gradient, as on the first-order path, which never reads it.
