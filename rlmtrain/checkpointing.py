@@ -131,7 +131,8 @@ def save(
             shutil.rmtree(final)
         os.replace(temporary, final)
         _fsync_dir(root)
-        for old in _complete_names(root)[:-keep]:
+        complete = [name for name in names(run_dir) if (root / name / COMPLETE).is_file()]
+        for old in complete[:-keep]:
             shutil.rmtree(root / old, ignore_errors=True)
     parallel.barrier()
     return final
@@ -261,11 +262,6 @@ def _first_cause(exc: BaseException) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
-
-
-def _complete_names(root: Path) -> list[str]:
-    names = [p.name for p in root.iterdir() if _NAME.match(p.name) and (p / COMPLETE).is_file()]
-    return sorted(names, key=_order)
 
 
 def _order(name: str) -> tuple[int, int]:

@@ -67,7 +67,7 @@ from rlmtrain.algo import (
 )
 from rlmtrain.algo.unfused import unfused_grpo_loss, unfused_logprob, unfused_nll
 from rlmtrain.config import Config, ConfigError
-from rlmtrain.envs.base import Env, Task, available_envs, get_env
+from rlmtrain.envs.base import Env, Task, check_env_name, get_env
 from rlmtrain.evaluation import evaluate, spawned
 from rlmtrain.kernels import fused_linear_grpo_loss, fused_linear_logprob, fused_linear_nll
 from rlmtrain.model import PRESETS, CheckpointError, Transformer, build_model, save_hf
@@ -215,40 +215,37 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
             await evaluate_now("init", 0)
 
         # ------------------------------------------------------------ SFT warm-up
-        if cfg.train.sft_steps and state.phase == "sft":
-            # A run resumed at SFT's end skips the teacher's trees: it would only skip them.
-            if state.step < cfg.train.sft_steps:
-                samples = parallel.broadcast(
-                    await _teacher_samples(cfg, env, sft_tasks, tokenizer)
-                    if world.is_main
-                    else None
-                )
-                batches = _token_batches(samples, cfg.train.sft_step_tokens, cfg.train.seed)
-                for _ in range(state.step):
-                    next(batches)
-                for step in range(state.step, cfg.train.sft_steps):
-                    step_began = time.perf_counter()
-                    lr = lr_at(cfg, "sft", step)
-                    set_lr(optimizer, lr)
-                    packed = _pack(next(batches), cfg, world.size)
-                    await sync.release()
-                    row = _sft_step(model, optimizer, packed, cfg, device, rank=world.rank)
-                    row.update(
-                        phase="sft", step=step, lr=lr, seconds=time.perf_counter() - step_began
+        in_sft = cfg.train.sft_steps > 0 and state.phase == "sft"
+        # A run resumed at SFT's end skips the teacher's trees: it would only skip them.
+        if in_sft and state.step < cfg.train.sft_steps:
+            samples = parallel.broadcast(
+                await _teacher_samples(cfg, env, sft_tasks, tokenizer) if world.is_main else None
+            )
+            batches = _token_batches(samples, cfg.train.sft_step_tokens, cfg.train.seed)
+            for _ in range(state.step):
+                next(batches)
+            for step in range(state.step, cfg.train.sft_steps):
+                step_began = time.perf_counter()
+                lr = lr_at(cfg, "sft", step)
+                set_lr(optimizer, lr)
+                packed = _pack(next(batches), cfg, world.size)
+                await sync.release()
+                row = _sft_step(model, optimizer, packed, cfg, device, rank=world.rank)
+                row.update(phase="sft", step=step, lr=lr, seconds=time.perf_counter() - step_began)
+                sync.stale()
+                runlog.step(row)
+                if _due(cfg, step, cfg.train.sft_steps):
+                    save_checkpoint("sft", step + 1, lr)
+                if step % cfg.logging.every == 0 or step == cfg.train.sft_steps - 1:
+                    log.info(
+                        "sft %3d  nll %.4f  entropy %.3f  tokens %d  %.0f tok/s",
+                        step,
+                        row["loss"],
+                        row["entropy"],
+                        row["tokens"],
+                        row["tokens"] / row["seconds"],
                     )
-                    sync.stale()
-                    runlog.step(row)
-                    if _due(cfg, step, cfg.train.sft_steps):
-                        save_checkpoint("sft", step + 1, lr)
-                    if step % cfg.logging.every == 0 or step == cfg.train.sft_steps - 1:
-                        log.info(
-                            "sft %3d  nll %.4f  entropy %.3f  tokens %d  %.0f tok/s",
-                            step,
-                            row["loss"],
-                            row["entropy"],
-                            row["tokens"],
-                            row["tokens"] / row["seconds"],
-                        )
+        if in_sft:
             # Rank 0 keeps the records; every rank must agree, as evaluation ends at a barrier.
             if not parallel.broadcast(runlog.evaluated("sft")):
                 await evaluate_now("sft", cfg.train.sft_steps)
@@ -712,8 +709,7 @@ def _refuse_unwired(cfg: Config, device: torch.device) -> None:
         raise ConfigError(
             f"model.preset: unknown preset {cfg.model.preset!r}; known: {', '.join(PRESETS)}"
         )
-    if cfg.data.env not in available_envs():
-        get_env(cfg.data.env)  # its one-line ConfigError, before the run writes anything
+    check_env_name(cfg.data.env)
     if cfg.rollout.colocate and device.type != "cuda":
         raise ConfigError(
             "rollout.colocate: vLLM's sleep mode frees GPU memory; this run trains on "

@@ -37,6 +37,7 @@ __all__ = [
     "Task",
     "TaskFormatError",
     "available_envs",
+    "check_env_name",
     "get_env",
     "read_tasks",
     "read_tasks_beside",
@@ -311,13 +312,17 @@ def available_envs() -> list[str]:
     return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
 
 
-def get_env(name: str, config: Config | None = None) -> Env:
-    """Build the environment registered as `name` with the run's config (None = defaults)."""
-    if name not in _REGISTRY and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
-    factory = _REGISTRY.get(name)
-    if factory is None:
+def check_env_name(name: str) -> None:
+    """Refuse a name `get_env` would not know, in the one line naming `data.env`."""
+    if name not in available_envs():
         raise ConfigError(
             f"data.env: unknown environment {name!r}; known: {', '.join(available_envs())}"
         )
-    return factory(config)
+
+
+def get_env(name: str, config: Config | None = None) -> Env:
+    """Build the environment registered as `name` with the run's config (None = defaults)."""
+    check_env_name(name)
+    if name not in _REGISTRY:
+        importlib.import_module(_BUILTIN_MODULES[name])
+    return _REGISTRY[name](config)
