@@ -41,6 +41,8 @@ class JudgeServer:
         self.bodies: list[dict] = []
         self.models: list[str] | None = None
         """What GET /v1/models lists; None = 404, as a server without the listing answers."""
+        self.retry_arrived = threading.Event()
+        """Set by `slow_once`'s second request (and at exit): its first is held until then."""
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -75,6 +77,7 @@ class JudgeServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.retry_arrived.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -96,8 +99,12 @@ class JudgeServer:
         if case == "out_of_range":
             return self.reply(handler, 200, completion('{"precision": 11, "recall": 3}'))
         if case == "slow_once":
+            # The first request is answered only once the retry has arrived, so it times out
+            # whatever the machine's load; the retry is answered at once.
             if nth == 1:
-                time.sleep(1.0)
+                self.retry_arrived.wait()
+            else:
+                self.retry_arrived.set()
             return self.reply(handler, 200, completion(json.dumps(GOOD)))
         if case == "throttled_once":
             if nth == 1:
@@ -212,7 +219,9 @@ def make_judge(server: JudgeServer, **overrides) -> RubricJudge:
     settings = dict(
         base_url=server.url,
         model="test-judge",
-        timeout_s=0.4,
+        # Generous: a reply on the loopback must never miss it on a loaded machine. The one
+        # test of the timeout path forces it with a request that is held unanswered.
+        timeout_s=30.0,
         max_retries=2,
         backoff_base_s=0.01,
         backoff_max_s=2.0,
@@ -291,7 +300,9 @@ def test_out_of_range_reply_exhausts_retries_then_falls_back_to_span_f1(server):
 
 
 def test_slow_reply_times_out_and_is_retried(server):
-    judge = make_judge(server)
+    # The first attempt cannot be answered before its timeout; the short timeout only bounds
+    # how long the test waits for it, and the retry is answered at once.
+    judge = make_judge(server, timeout_s=3.0)
     result = run(judge.score("case:slow_once q", TRUTH, "p"))
     assert result.method == "judge"
     assert server.count("slow_once") == 2
@@ -382,7 +393,7 @@ def test_bad_base_url_fails_at_construction():
 
 @pytest.mark.parametrize("case", ["until_close", "trickled"])
 def test_a_body_without_a_length_is_read_to_its_end(server, case):
-    judge = make_judge(server, timeout_s=5.0)
+    judge = make_judge(server)
     result = run(judge.score(f"case:{case} q", TRUTH, "p"))
     assert result.method == "judge" and result.score == pytest.approx(GOOD_SCORE)
     assert result.reason == GOOD["reason"]
@@ -400,18 +411,18 @@ def test_a_body_without_a_length_is_read_to_its_end(server, case):
 )
 def test_a_failed_attempt_is_retried_and_then_scored(case, reason):
     with JudgeServer() as server:
-        judge = make_judge(server, timeout_s=5.0, on_unscored="drop", max_retries=0)
+        judge = make_judge(server, on_unscored="drop", max_retries=0)
         failed = run(judge.score(f"case:{case} q", TRUTH, "p"))
         assert failed.method == "unscored" and reason in failed.reason, failed.reason
     with JudgeServer() as server:  # its first reply fails again; the retry is scored
-        retried = make_judge(server, timeout_s=5.0)
+        retried = make_judge(server)
         result = run(retried.score(f"case:{case} q", TRUTH, "p"))
         assert result.method == "judge" and result.score == pytest.approx(GOOD_SCORE)
         assert retried.client.stats.retries == 1 and server.count(case) == 2
 
 
 def test_connections_are_kept_alive_across_calls(server):
-    judge = make_judge(server, max_concurrency=2, timeout_s=5.0)
+    judge = make_judge(server, max_concurrency=2)
     predictions = [f"answer {i}" for i in range(8)]
 
     async def both():

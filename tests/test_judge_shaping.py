@@ -21,7 +21,7 @@ def server():
 
 
 def config(server: JudgeServer) -> JudgeConfig:
-    return JudgeConfig(base_url=server.url, max_retries=2, backoff_base_s=0.01, timeout_s=2.0)
+    return JudgeConfig(base_url=server.url, max_retries=2, backoff_base_s=0.01, timeout_s=30.0)
 
 
 def test_tool_credit_from_the_judge(server):
