@@ -73,10 +73,15 @@ def start(device_choice: str, *, timeout_s: float = 1800.0) -> tuple[World, torc
 # A gloo worker thread drops a finished collective's tensors a moment after the caller sees it
 # complete, and freeing a tensor Python also knew takes the GIL. If the interpreter has begun to
 # finalize by then, Python ends that thread inside a C++ destructor and the process aborts
-# ("terminate called without an active exception", SIGABRT) after a run that succeeded. Destroying
-# the group does not join those threads (torch's functional collectives keep the group alive in
-# C++ until exit), so a rank that leaves hands them the GIL first: sleeping releases it, and a
-# runnable thread is scheduled well within this even on an oversubscribed machine.
+# ("terminate called without an active exception", SIGABRT) after a run that succeeded.
+# Joining those threads would be the event to wait on, but torch 2.13 gives no way to: only the
+# group's C++ destructor joins them, and once a functional collective (FSDP2's) has run, C++ keeps
+# the group alive until exit. Measured: a gloo group's worker threads are still there after
+# destroy_process_group, after the backend's own shutdown() and after gc, and they go only when no
+# functional collective ran. Nor can a rank see whether a worker still holds a tensor (a thread
+# waiting for the GIL and one idle look alike from outside). So a rank that leaves hands them the
+# GIL for a while: sleeping releases it, and a runnable thread is scheduled within milliseconds
+# even on an oversubscribed machine, far inside this. It is paid once per process, at its end.
 _GLOO_WORKERS_SETTLE_S = 0.25
 
 
