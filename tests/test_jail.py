@@ -26,8 +26,10 @@ from rlmtrain import _jail
 from rlmtrain.rlm.protocol import Done, encode_frame
 from rlmtrain.rlm.repl import DEFAULT_PRELOAD, ExecResult, ReplLimits, Zygote
 
+# A generous exec timeout: an attack ends by its own error or limit, however slowly it runs on a
+# loaded machine; only the infinite loop waits a (short) timeout out.
 LIMITS = ReplLimits(
-    exec_timeout_s=3.0,
+    exec_timeout_s=30.0,
     memory_mb=768,
     cpu_s=60,
     output_limit_chars=1000,
@@ -82,14 +84,14 @@ def attack(
 
 
 def test_infinite_loop_is_killed_at_the_timeout(temp_dir):
-    result, _ = attack("while True:\n    pass", temp_dir)
+    limits = msgspec.structs.replace(LIMITS, exec_timeout_s=3.0)
+    result, _ = attack("while True:\n    pass", temp_dir, limits=limits)
     assert result.dead and "timed out after 3 s" in result.error
 
 
 def test_memory_bomb_hits_the_address_space_limit(temp_dir):
-    # Every block is written, so the bomb really takes memory; a small limit and a generous
-    # timeout keep it quick and steady on a loaded machine.
-    limits = msgspec.structs.replace(LIMITS, memory_mb=256, exec_timeout_s=20.0)
+    # Every block is written, so the bomb really takes memory; a small limit keeps it quick.
+    limits = msgspec.structs.replace(LIMITS, memory_mb=256)
     code = "blocks = []\nwhile True:\n    blocks.append(b'x' * (16 << 20))"
     followup = "n = len(blocks)\ndel blocks\nprint(n)"
     result, after = attack(code, temp_dir, followup=followup, limits=limits)
@@ -209,7 +211,7 @@ def test_exiting_is_reported_and_the_session_survives(temp_dir, code, message):
 
 
 def test_cpu_time_limit_ends_the_worker(temp_dir):
-    limits = msgspec.structs.replace(LIMITS, cpu_s=1, exec_timeout_s=30.0)
+    limits = msgspec.structs.replace(LIMITS, cpu_s=1)
     result, _ = attack("while True:\n    pass", temp_dir, limits=limits)
     assert result.dead and "CPU time limit of 1 s" in result.error
 

@@ -17,7 +17,8 @@ from leaks import leak_checked_temp_dir
 
 from rlmtrain.rlm.repl import ExecResult, ReplLimits, Zygote, _uid_block_start
 
-LIMITS = ReplLimits(exec_timeout_s=3.0, memory_mb=1024, cpu_s=60, output_limit_chars=400)
+# A generous exec timeout: no test here waits one out on the real clock.
+LIMITS = ReplLimits(exec_timeout_s=30.0, memory_mb=1024, cpu_s=60, output_limit_chars=400)
 TOOLS = ["pprint", "textwrap"]
 CONTEXT = "The quick brown fox. " * 50
 
@@ -35,6 +36,32 @@ def run_with_zygote(body, temp_dir, *, limits=LIMITS, context=CONTEXT):
 def ok(result: ExecResult) -> ExecResult:
     assert not result.dead and result.error == "", result
     return result
+
+
+async def until(condition, what: str, bound_s: float = 30.0) -> None:
+    """Poll `condition` until it holds; the bound only turns a hang into a failure."""
+    give_up = time.monotonic() + bound_s
+    while not condition():
+        assert time.monotonic() < give_up, f"still waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+class SkippingClock:
+    """The running loop's clock, the one the exec timer reads (`loop.time`), made to jump:
+    `skip(s)` stands for `s` seconds passing without waiting them out. Timers read it too, so
+    pending ones fire early; it only moves forward."""
+
+    def __init__(self):
+        loop = asyncio.get_running_loop()
+        self._real = loop.time
+        self._skipped = 0.0
+        loop.time = self.time
+
+    def time(self) -> float:
+        return self._real() + self._skipped
+
+    def skip(self, seconds: float) -> None:
+        self._skipped += seconds
 
 
 def test_globals_persist_and_a_trailing_expression_is_shown(temp_dir):
@@ -147,25 +174,36 @@ def test_rlm_query_round_trips_in_order(temp_dir):
 
 
 def test_exec_timer_excludes_time_in_the_query_handler(temp_dir):
-    limits = ReplLimits(exec_timeout_s=0.5, memory_mb=1024, output_limit_chars=400)
-
-    async def slow_handler(prompts, contexts):
-        await asyncio.sleep(1.0)
-        return ["late but fine"] * len(prompts)
+    # Time passes on the loop's clock by skips, so the worker's own run time (real, and slow on
+    # a loaded machine) stays far under the timeout while each query takes a whole timeout.
+    timeout_s = LIMITS.exec_timeout_s
 
     async def body(zygote):
+        clock = SkippingClock()
+
+        async def slow_handler(prompts, contexts):
+            clock.skip(timeout_s)
+            return ["late but fine"] * len(prompts)
+
         session = await zygote.session()
-        started = time.monotonic()
+        started = clock.time()
         result = ok(
             await session.exec("print(rlm_query('slow'))\nprint(rlm_query('slow'))", slow_handler)
         )
-        assert time.monotonic() - started >= 2.0
+        assert clock.time() - started >= 2 * timeout_s
         assert result.output == "late but fine\nlate but fine\n"
-        looping = await session.exec("while True:\n    pass")
-        assert looping.dead and "timed out after 0.5 s" in looping.error
+        # Without a query the timer runs on: once the worker loops, a timeout's skip ends it.
+        looping = asyncio.create_task(
+            session.exec("open('looping', 'w').close()\nwhile True:\n    pass")
+        )
+        marker = os.path.join(session.workdir, "looping")
+        await until(lambda: os.path.exists(marker), "the worker to loop")
+        clock.skip(timeout_s)
+        result = await looping
+        assert result.dead and f"timed out after {timeout_s:g} s" in result.error
         await session.close()
 
-    run_with_zygote(body, temp_dir, limits=limits)
+    run_with_zygote(body, temp_dir)
 
 
 def test_a_handler_returning_the_wrong_shape_raises_and_kills_the_worker(temp_dir):
@@ -247,9 +285,11 @@ def test_zygote_refuses_a_bad_tool_module(temp_dir):
 
 
 def test_closing_a_session_mid_query_cancels_the_handler(temp_dir):
+    asked = asyncio.Event()
     handler_cancelled = asyncio.Event()
 
     async def never_answers(prompts, contexts):
+        asked.set()
         try:
             await asyncio.Event().wait()
         finally:
@@ -258,7 +298,7 @@ def test_closing_a_session_mid_query_cancels_the_handler(temp_dir):
     async def body(zygote):
         session = await zygote.session()
         running = asyncio.create_task(session.exec("rlm_query('forever')", never_answers))
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(asked.wait(), 30.0)
         await session.close()
         result = await running
         assert result.dead and "closed" in result.error
@@ -270,8 +310,11 @@ def test_closing_a_session_mid_query_cancels_the_handler(temp_dir):
 def test_cancelling_an_exec_kills_its_worker(temp_dir):
     async def body(zygote):
         session = await zygote.session()
-        running = asyncio.create_task(session.exec("import time\ntime.sleep(60)"))
-        await asyncio.sleep(0.3)
+        running = asyncio.create_task(
+            session.exec("import time\nopen('sleeping', 'w').close()\ntime.sleep(60)")
+        )
+        marker = os.path.join(session.workdir, "sleeping")
+        await until(lambda: os.path.exists(marker), "the worker to sleep")
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running
@@ -287,11 +330,7 @@ def test_a_dead_zygote_takes_its_workers_and_says_so(temp_dir):
         session = await zygote.session()
         os.kill(zygote._process.pid, 9)
         # The kernel delivers the workers' parent-death signal asynchronously.
-        for _ in range(100):
-            if zygote.live_workers() == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert zygote.live_workers() == 0
+        await until(lambda: zygote.live_workers() == 0, "the workers to die with the zygote")
         result = await session.exec("1")
         assert result.dead and "zygote died" in result.error
         with pytest.raises(RuntimeError, match="zygote exited"):
@@ -302,9 +341,11 @@ def test_a_dead_zygote_takes_its_workers_and_says_so(temp_dir):
 
 
 def test_a_cancelled_exec_waits_for_its_handler_to_unwind(temp_dir):
+    asked = asyncio.Event()
     unwound = []
 
     async def children_still_running(prompts, contexts):
+        asked.set()
         try:
             await asyncio.Event().wait()
         finally:
@@ -314,7 +355,7 @@ def test_a_cancelled_exec_waits_for_its_handler_to_unwind(temp_dir):
     async def body(zygote):
         session = await zygote.session()
         running = asyncio.create_task(session.exec("rlm_query('child')", children_still_running))
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(asked.wait(), 30.0)
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running
