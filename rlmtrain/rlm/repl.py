@@ -486,9 +486,11 @@ class Zygote:
                 log.exception("closing REPL worker %d failed; it is killed anyway", session.pid)
         if self._channel is not None and not self._channel.closed:
             with contextlib.suppress(OSError, RuntimeError, TimeoutError):
-                await asyncio.wait_for(self._channel.send(Shutdown()), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._channel.send(Shutdown())
         try:
-            await asyncio.wait_for(self._process.wait(), 5.0)
+            async with asyncio.timeout(5.0):
+                await self._process.wait()
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
@@ -574,9 +576,14 @@ class Session:
         except RecursionError:
             raise _ProtocolViolation("a frame nested too deeply to decode") from None
 
+    # Every wait on a worker here is bounded by asyncio.timeout, never asyncio.wait_for: on
+    # Python 3.11 wait_for loses a cancellation that arrives in the loop step where the awaited
+    # frame does (CPython gh-86296, fixed in 3.12), and a cancelled rollout's exec then ran on to
+    # its full timeout (tests/test_scheduler.py, the cancel that meets a worker's frame).
     async def _read_frame_within(self, timeout_s: float):
         try:
-            return await asyncio.wait_for(self._read_frame(), max(timeout_s, 0.0))
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                return await self._read_frame()
         except TimeoutError:
             raise _OutOfTime from None
 
@@ -584,7 +591,8 @@ class Session:
         """Raises _OutOfTime if the worker does not take the frame within `timeout_s`."""
         try:
             self._writer.write(encode_frame(message))
-            await asyncio.wait_for(self._writer.drain(), max(timeout_s, 0.0))
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                await self._writer.drain()
         except TimeoutError:
             raise _OutOfTime from None
         except (ConnectionError, RuntimeError) as exc:
@@ -592,7 +600,8 @@ class Session:
 
     async def _await_ready(self) -> None:
         try:
-            message = await asyncio.wait_for(self._read_frame(), _READY_TIMEOUT_S)
+            async with asyncio.timeout(_READY_TIMEOUT_S):
+                message = await self._read_frame()
         except _WorkerGone:
             raise RuntimeError(
                 f"REPL worker failed to start: {await self._explain_death()}"
@@ -616,7 +625,8 @@ class Session:
         """The worker's socket closed: wait briefly for its exit (a worker that closed its
         socket and lives on is killed) and say why it died."""
         try:
-            await asyncio.wait_for(asyncio.shield(self._gone), _EOF_GRACE_S)
+            async with asyncio.timeout(_EOF_GRACE_S):
+                await asyncio.shield(self._gone)
         except TimeoutError:
             await self._kill(
                 "REPL worker closed its channel to the trainer and kept running; "
@@ -624,9 +634,8 @@ class Session:
             )
         if self._death is None:
             try:
-                status = await asyncio.wait_for(
-                    asyncio.shield(self._status), _EXIT_REPORT_TIMEOUT_S
-                )
+                async with asyncio.timeout(_EXIT_REPORT_TIMEOUT_S):
+                    status = await asyncio.shield(self._status)
             except TimeoutError:
                 reason = "the worker is gone (the zygote did not report how)"
             else:
@@ -796,7 +805,8 @@ class Session:
             pass
         # Until the zygote has reaped it, the worker still counts against its uid's thread limit.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self._status), _EXIT_REPORT_TIMEOUT_S)
+            async with asyncio.timeout(_EXIT_REPORT_TIMEOUT_S):
+                await asyncio.shield(self._status)
         self._writer.close()
         with contextlib.suppress(ConnectionError):
             await self._writer.wait_closed()
