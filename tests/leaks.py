@@ -8,13 +8,14 @@ too); the two context managers compare it before and after, and check the tempor
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+import clocks
 
 __all__ = ["descendants", "leak_checked_temp_dir", "leak_checked_tempfile_root", "run_with_zygote"]
 
@@ -68,8 +69,8 @@ def leak_checked_tempfile_root(tmp_path: Path) -> Iterator[Path]:
 
 
 def run_with_zygote(body, temp_dir: str, *, context, tool_modules: list[str], limits):
-    """`asyncio.run` of `await body(zygote)` on a fresh zygote under `temp_dir`; the zygote is
-    then closed, and its temporary root must be gone."""
+    """`await body(zygote)` on a fresh zygote under `temp_dir`, run on a `clocks.SkippingLoop`;
+    the zygote is then closed, and its temporary root must be gone."""
     from rlmtrain.rlm.repl import Zygote
 
     async def main():
@@ -82,4 +83,4 @@ def run_with_zygote(body, temp_dir: str, *, context, tool_modules: list[str], li
             await zygote.close()
             assert not os.path.exists(zygote.temp_root)
 
-    return asyncio.run(main())
+    return clocks.run(main())

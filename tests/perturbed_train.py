@@ -3,6 +3,10 @@ from a generator of its own seeded by RLMTRAIN_TEST_JITTER_SEED: asynchronous re
 reach the engine in another order and other company than in an unperturbed run, which is what
 the determinism tests need (`tests/test_resume.py`). Runs under torchrun too.
 
+With RLMTRAIN_TEST_HOLD_AT=<checkpoint name> (e.g. sft-000008) the run stops for good when it
+comes to write that checkpoint, so a test that kills it after an earlier one kills it before
+this one however late the kill comes.
+
     python tests/perturbed_train.py --config ... [--section.key=value ...]
 """
 
@@ -12,7 +16,9 @@ import asyncio
 import os
 import random
 import sys
+import threading
 
+from rlmtrain import checkpointing
 from rlmtrain.rlm import repl
 
 
@@ -26,10 +32,21 @@ def _jittered(exec_, draw):
     return exec_with_delay
 
 
+def _holding(save, name):
+    def save_or_hold(run_dir, model, optimizer, state, **kwargs):
+        if f"{state.phase}-{state.step:06d}" == name:
+            threading.Event().wait()  # until the test's SIGKILL
+        return save(run_dir, model, optimizer, state, **kwargs)
+
+    return save_or_hold
+
+
 if __name__ == "__main__":
     seed = int(os.environ.get("RLMTRAIN_TEST_JITTER_SEED", "1"))
     draw = random.Random(seed * 7919 + int(os.environ.get("RANK", "0")))
     repl.Session.exec = _jittered(repl.Session.exec, draw)
+    if "RLMTRAIN_TEST_HOLD_AT" in os.environ:
+        checkpointing.save = _holding(checkpointing.save, os.environ["RLMTRAIN_TEST_HOLD_AT"])
     from rlmtrain.cli import main
 
     sys.exit(main(["train", *sys.argv[1:]]))

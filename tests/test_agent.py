@@ -6,6 +6,9 @@ max_new_tokens) with fixed log-probs. Children run through a small recursive spa
 session per child from one zygote and calls `run_trajectory` at depth + 1, standing in for the
 scheduler. Every tree is checked for the invariants a trainer relies on (`check_tree`), and
 every run for leftover workers and temp dirs.
+
+Trees run on `clocks.SkippingLoop`, so a test of a timeout skips the clock past it once the run
+has reached the point where it must fire.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import clocks
 import msgspec
 import pytest
 from leaks import leak_checked_tempfile_root
@@ -87,6 +91,8 @@ class Tree:
         self.zygote = zygote
         self.child_timeout_s = child_timeout_s
         self.records: list[Trajectory] = []
+        self.ended: list[Trajectory] = []
+        """Children whose run has returned, their REPL session closed."""
 
     async def run_root(self, sample_idx: int) -> Trajectory:
         root = root_trajectory(TASK.id, sample_idx, TASK.query)
@@ -111,21 +117,28 @@ class Tree:
             await run_plain_call(
                 self.agent, call.trajectory, context=call.context, deadline=deadline
             )
-            return child_answer(call.trajectory)
-        session = await self.zygote.session(context=call.context)
-        try:
-            await run_trajectory(
-                self.agent,
-                call.trajectory,
-                task=TASK,
-                session=session,
-                spawn=self.spawn,
-                context=call.context,
-                deadline=deadline,
-            )
-        finally:
-            await session.close()
+        else:
+            session = await self.zygote.session(context=call.context)
+            try:
+                await run_trajectory(
+                    self.agent,
+                    call.trajectory,
+                    task=TASK,
+                    session=session,
+                    spawn=self.spawn,
+                    context=call.context,
+                    deadline=deadline,
+                )
+            finally:
+                await session.close()
+        self.ended.append(call.trajectory)
         return child_answer(call.trajectory)
+
+
+def in_exec(tree: Tree, prompt: str) -> bool:
+    """Whether the trajectory of `prompt` has reached its first exec: a turn is recorded when its
+    completion comes in, and the exec, its timeout set, starts in that same step."""
+    return any(t.prompt == prompt and t.turns for t in tree.records)
 
 
 def run_tree(
@@ -136,12 +149,15 @@ def run_tree(
     n_roots: int = 1,
     child_timeout_s: float | None = None,
     cancel_after_requests: int | None = None,
+    skip_when: tuple[Callable[[Tree], bool], float] | None = None,
     exact_prompts: bool = True,
     tmp_path: Path,
 ) -> tuple[RolloutGroup, ScriptedEngine]:
     """Run `n_roots` trees of TASK; checks that no worker process or temp dir outlives them.
 
     `cancel_after_requests`: cancel the roots once the engine has seen that many requests.
+    `skip_when`: (condition, seconds): once `condition(tree)` holds, the clock skips `seconds`
+    ahead, forcing the timeouts it passes.
     `exact_prompts`: rebuild every prompt at the full history budget and compare ids (off when
     a test makes the agent shrink the budget).
     """
@@ -158,11 +174,15 @@ def run_tree(
         zygote = await Zygote.start(
             context=env.context(TASK),
             tool_modules=env.tool_modules(),
-            limits=repl or ReplLimits(exec_timeout_s=5.0),
+            limits=repl or ReplLimits(exec_timeout_s=30.0),
         )
         try:
             tree = Tree(agent, zygote, child_timeout_s)
             roots = [asyncio.create_task(tree.run_root(i)) for i in range(n_roots)]
+            if skip_when is not None:
+                condition, seconds = skip_when
+                await clocks.until(lambda: condition(tree), "the point a timeout must fire")
+                clocks.skip(seconds)
             if cancel_after_requests is not None:
                 while len(engine.requests) < cancel_after_requests:
                     await asyncio.sleep(0.01)
@@ -178,7 +198,7 @@ def run_tree(
         return RolloutGroup(task=TASK, trajectories=tree.records)
 
     with leak_checked_tempfile_root(tmp_path):
-        group = asyncio.run(main())
+        group = clocks.run(main())
     check_tree(group, agent, exact_prompts=exact_prompts)
     return group, engine
 
@@ -304,10 +324,14 @@ def test_failing_children_return_explanations_to_the_parent(tmp_path: Path):
             "ok": code('FINAL("fine")'),
         }[query]
 
+    def hang_alone(tree: Tree) -> bool:  # every other child done, so no other exec is timed
+        return len(tree.ended) == 3 and in_exec(tree, "hangs")
+
     group, _ = run_tree(
         script,
         limits=AgentLimits(max_turns=2, max_depth=1),
-        repl=ReplLimits(exec_timeout_s=1.0),
+        repl=ReplLimits(exec_timeout_s=30.0),
+        skip_when=(hang_alone, 30.0),
         tmp_path=tmp_path,
     )
     by_prompt = {t.prompt: t for t in group.trajectories}
@@ -327,10 +351,17 @@ def test_child_past_its_deadline_times_out_and_the_parent_goes_on(tmp_path: Path
     def script(query: str, turn: int) -> str:
         return {
             ("ROOT", 0): code('slow = rlm_query("slow")', "FINAL(slow)"),
-            ("slow", 0): code("import time", "time.sleep(30)"),
+            ("slow", 0): code("import time", "time.sleep(600)"),
         }[query, turn]
 
-    group, _ = run_tree(script, child_timeout_s=0.5, tmp_path=tmp_path)
+    # The skip passes the child's deadline, not its exec's timeout.
+    group, _ = run_tree(
+        script,
+        repl=ReplLimits(exec_timeout_s=60.0),
+        child_timeout_s=30.0,
+        skip_when=(lambda tree: in_exec(tree, "slow"), 30.0),
+        tmp_path=tmp_path,
+    )
     root, slow = sorted(group.trajectories, key=lambda t: t.depth)
     assert slow.finish_reason == "timeout"
     assert slow.turns[0].error == "[the trajectory's time ran out during this turn]"
@@ -388,7 +419,8 @@ def test_max_turns_ends_without_an_answer(tmp_path: Path):
 def test_dead_worker_ends_with_error(tmp_path: Path):
     group, _ = run_tree(
         lambda query, turn: code("while True:", "    pass"),
-        repl=ReplLimits(exec_timeout_s=0.5),
+        repl=ReplLimits(exec_timeout_s=30.0),
+        skip_when=(lambda tree: in_exec(tree, TASK.query), 30.0),
         tmp_path=tmp_path,
     )
     (root,) = group.trajectories

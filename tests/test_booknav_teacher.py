@@ -26,7 +26,7 @@ def test_teacher_solves_the_synthetic_problems(tmp_path):
                 env,
                 tasks,
                 ByteTokenizer(),
-                RolloutConfig(max_turns=4, max_prompt_tokens=16384, repl_timeout_s=10.0),
+                RolloutConfig(max_turns=4, max_prompt_tokens=16384, repl_timeout_s=60.0),
             )
         )
         for task, group in zip(tasks, groups, strict=True):

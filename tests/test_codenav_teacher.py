@@ -21,7 +21,7 @@ def solve(env, tasks) -> list[RolloutGroup]:
             env,
             tasks,
             ByteTokenizer(),
-            RolloutConfig(max_turns=4, max_prompt_tokens=32768, repl_timeout_s=10.0),
+            RolloutConfig(max_turns=4, max_prompt_tokens=32768, repl_timeout_s=60.0),
         )
     )
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clocks import RUN_HANG_S
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,7 @@ def _steps(out: Path, *args: str, ranks: int = 1) -> dict:
     launch = [*TORCHRUN, "--master_port", str(29500 + os.getpid() % 1000)] if ranks > 1 else []
     command = [*(launch or [sys.executable]), str(STEPS), str(out), *args]
     result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env()
+        command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env()
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -151,7 +152,7 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=RUN_HANG_S,
         env=_env(),
     )
     assert result.returncode == 0, result.stderr[-3000:]

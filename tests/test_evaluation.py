@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from clocks import RUN_HANG_S
 from scripted_model import code, script_reply
 
 from rlmtrain.cli import main as rlmtrain_main
@@ -366,7 +367,7 @@ def run_cli(args: list[str]) -> subprocess.CompletedProcess:
         text=True,
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
+        timeout=RUN_HANG_S,
     )
 
 

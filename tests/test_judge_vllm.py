@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from clocks import RUN_HANG_S
 
 from rlmtrain.config import JudgeConfig, ModelConfig
 from rlmtrain.devices import HAS_VLLM
@@ -141,7 +142,7 @@ def _train(config: str, run: Path, *overrides: str) -> dict:
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[1],
-        timeout=600,
+        timeout=RUN_HANG_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
+import clocks
 import leaks
 import msgspec
 import pytest
@@ -36,32 +36,6 @@ def run_with_zygote(body, temp_dir, *, limits=LIMITS, context=CONTEXT):
 def ok(result: ExecResult) -> ExecResult:
     assert not result.dead and result.error == "", result
     return result
-
-
-async def until(condition, what: str, bound_s: float = 30.0) -> None:
-    """Poll `condition` until it holds; the bound only turns a hang into a failure."""
-    give_up = time.monotonic() + bound_s
-    while not condition():
-        assert time.monotonic() < give_up, f"still waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
-class SkippingClock:
-    """The running loop's clock, the one the exec timer reads (`loop.time`), made to jump:
-    `skip(s)` stands for `s` seconds passing without waiting them out. Timers read it too, so
-    pending ones fire early; it only moves forward."""
-
-    def __init__(self):
-        loop = asyncio.get_running_loop()
-        self._real = loop.time
-        self._skipped = 0.0
-        loop.time = self.time
-
-    def time(self) -> float:
-        return self._real() + self._skipped
-
-    def skip(self, seconds: float) -> None:
-        self._skipped += seconds
 
 
 def test_globals_persist_and_a_trailing_expression_is_shown(temp_dir):
@@ -179,10 +153,10 @@ def test_exec_timer_excludes_time_in_the_query_handler(temp_dir):
     timeout_s = LIMITS.exec_timeout_s
 
     async def body(zygote):
-        clock = SkippingClock()
+        clock = asyncio.get_running_loop()
 
         async def slow_handler(prompts, contexts):
-            clock.skip(timeout_s)
+            clocks.skip(timeout_s)
             return ["late but fine"] * len(prompts)
 
         session = await zygote.session()
@@ -197,8 +171,8 @@ def test_exec_timer_excludes_time_in_the_query_handler(temp_dir):
             session.exec("open('looping', 'w').close()\nwhile True:\n    pass")
         )
         marker = os.path.join(session.workdir, "looping")
-        await until(lambda: os.path.exists(marker), "the worker to loop")
-        clock.skip(timeout_s)
+        await clocks.until(lambda: os.path.exists(marker), "the worker to loop")
+        clocks.skip(timeout_s)
         result = await looping
         assert result.dead and f"timed out after {timeout_s:g} s" in result.error
         await session.close()
@@ -314,7 +288,7 @@ def test_cancelling_an_exec_kills_its_worker(temp_dir):
             session.exec("import time\nopen('sleeping', 'w').close()\ntime.sleep(60)")
         )
         marker = os.path.join(session.workdir, "sleeping")
-        await until(lambda: os.path.exists(marker), "the worker to sleep")
+        await clocks.until(lambda: os.path.exists(marker), "the worker to sleep")
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running
@@ -330,7 +304,7 @@ def test_a_dead_zygote_takes_its_workers_and_says_so(temp_dir):
         session = await zygote.session()
         os.kill(zygote._process.pid, 9)
         # The kernel delivers the workers' parent-death signal asynchronously.
-        await until(lambda: zygote.live_workers() == 0, "the workers to die with the zygote")
+        await clocks.until(lambda: zygote.live_workers() == 0, "the workers to die with the zygote")
         result = await session.exec("1")
         assert result.dead and "zygote died" in result.error
         with pytest.raises(RuntimeError, match="zygote exited"):

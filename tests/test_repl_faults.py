@@ -15,6 +15,7 @@ import os
 import time
 import tracemalloc
 
+import clocks
 import leaks
 import msgspec
 import pytest
@@ -54,14 +55,6 @@ def run_with_zygote(body, temp_dir, *, limits=LIMITS):
     return leaks.run_with_zygote(
         body, temp_dir, context="ctx", tool_modules=["textwrap"], limits=limits
     )
-
-
-async def until(condition, what: str, bound_s: float = 30.0) -> None:
-    """Poll `condition` until it holds; the bound only turns a hang into a failure."""
-    give_up = time.monotonic() + bound_s
-    while not condition():
-        assert time.monotonic() < give_up, f"still waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 async def timed_exec(session, code, on_query=None):
@@ -324,7 +317,7 @@ def test_a_hoard_written_between_execs_ends_the_session_while_idle(temp_dir):
         assert result.output == "started\n" and not result.dead, result
         open(os.path.join(session.workdir, "go"), "w").close()
         # No exec runs: the session's own watchdog must see it.
-        await until(lambda: session.dead, "the watchdog to end the session")
+        await clocks.until(lambda: session.dead, "the watchdog to end the session")
         after = await session.exec("print(1)")
         assert after.dead and "disk limit" in after.error, after
         await session.close()

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clocks import RUN_HANG_S
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 pytestmark = pytest.mark.slow
@@ -96,7 +97,7 @@ def memorised(tmp_path_factory, two_tasks) -> tuple[str, ...]:
     args = _args(run, two_tasks, f"--train.sft_steps={MEMORISING_STEPS}", "--train.steps=0",
                  "--checkpoint.every=0")  # fmt: skip
     result = subprocess.run(
-        [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S,
         env=_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -147,13 +148,14 @@ def _assert_bitwise_equal(a: dict, b: dict) -> None:
             assert value == right[key], key
 
 
-def _kill_when(command: list[str], mark: Path, cwd: Path = ROOT) -> None:
-    """Run `command` until `mark` exists, then SIGKILL the whole job."""
+def _kill_when(command: list[str], mark: Path, hold_at: str) -> None:
+    """Run perturbed `command` until `mark` exists, then SIGKILL the whole job; the job stops
+    for good before writing checkpoint `hold_at`, so the kill lands before that one."""
     job = subprocess.Popen(
-        command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(),
-        start_new_session=True,
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**_env(), "RLMTRAIN_TEST_HOLD_AT": hold_at}, start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + RUN_HANG_S
     while not mark.exists():
         assert job.poll() is None, job.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline
@@ -172,7 +174,7 @@ def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, memorised, ranks):
     uninterrupted, resumed = tmp_path / "a", tmp_path / "b"
     a = subprocess.run(
         [*_launch(ranks, False), *_args(uninterrupted, two_tasks, *memorised)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
     )  # fmt: skip
     assert a.returncode == 0, a.stderr[-3000:]
     curve = _rows(uninterrupted)
@@ -183,14 +185,20 @@ def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, memorised, ranks):
 
     checkpoints = resumed / "checkpoints"
     perturbed = [*_launch(ranks, True), *_args(resumed, two_tasks, *memorised)]
-    _kill_when([*perturbed, "--checkpoint.every=2"], checkpoints / "sft-000004" / "COMPLETE")
-    assert not (checkpoints / f"sft-{SFT_STEPS:06d}").exists()
+    last_sft = f"sft-{SFT_STEPS:06d}"
+    _kill_when(
+        [*perturbed, "--checkpoint.every=2"], checkpoints / "sft-000004" / "COMPLETE", last_sft
+    )
+    assert not (checkpoints / last_sft).exists()
     assert not (checkpoints / "sft-000003").exists()  # every other step
-    _kill_when([*perturbed, "--checkpoint.resume=true"], checkpoints / "rl-000002" / "COMPLETE")
+    _kill_when(
+        [*perturbed, "--checkpoint.resume=true"], checkpoints / "rl-000002" / "COMPLETE",
+        "rl-000003",
+    )  # fmt: skip
     assert not (checkpoints / "rl-000003").exists()  # killed during step 3
     b = subprocess.run(
         [*perturbed, "--checkpoint.resume=true"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
     )  # fmt: skip
     assert b.returncode == 0, b.stderr[-3000:]
     assert "resumed from" in b.stderr and "rl-00000" in b.stderr
@@ -214,7 +222,7 @@ def one_step_run(tmp_path_factory, two_tasks) -> Path:
     run = tmp_path_factory.mktemp("one-step") / "run"
     args = _args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0")
     result = subprocess.run(
-        [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+        [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S,
         env=_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -252,7 +260,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, two_tasks, one_st
     before = {p.name for p in (run / "checkpoints").iterdir()}
     result = subprocess.run(
         [*_launch(1, False), *_args(run, two_tasks, "--checkpoint.resume=true")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
     )  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -275,7 +283,7 @@ def test_a_resume_under_other_schedules_is_refused_in_one_line(tmp_path, two_tas
             *_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0"),
             "--checkpoint.resume=true", "--algo.exploration_beta=0.5",
         ],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
     )  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -294,7 +302,7 @@ def _train(run: Path, two_tasks: Path, *extra: str) -> subprocess.CompletedProce
     return subprocess.run(
         [*_launch(1, False), *_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0"),
          *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
     )  # fmt: skip
 
 
@@ -338,7 +346,7 @@ def test_a_checkpoint_before_the_first_rl_update_resumes(tmp_path, two_tasks):
           "--rollout.n_samples=2")  # fmt: skip
     first = subprocess.run(
         [*_launch(1, False), *_args(run, two_tasks, *rl)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     rows = [r for r in _rows(run) if r["phase"] == "rl"]
@@ -362,7 +370,7 @@ def test_a_checkpoint_before_the_first_rl_update_resumes(tmp_path, two_tasks):
     for folder in (run, older):
         resumed = subprocess.run(
             [*_launch(1, False), *_args(folder, two_tasks, *rl), "--checkpoint.resume=true"],
-            cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env(),
+            cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
         )  # fmt: skip
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "resumed from" in resumed.stderr and "rl-000001" in resumed.stderr

@@ -5,111 +5,36 @@ served by `SimEngine` through the byte tokenizer with a small step latency, so r
 batch and interleave. Every rollout is checked for leaks: no live trees, tasks, engine requests,
 worker slots or zygotes in the scheduler, no running or queued request in the engine, no worker
 process left below this one and no REPL temp dir left behind.
+
+Rollouts run on `clocks.SkippingLoop`: a test of a timeout sets it long, as a bound on a hang,
+and skips the clock past it once the rollout has reached the point where it must fire.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import msgspec
 import pytest
-from leaks import descendants, leak_checked_tempfile_root
+from leaks import descendants
+from scheduler_harness import (
+    NEVER,
+    TOKENIZER,
+    Callers,
+    in_exec,
+    make,
+    records,
+    run,
+    shape,
+    skip_when,
+)
 from scripted_model import DocEnv, code, script_reply
 
 from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.base import Task
-from rlmtrain.model.tokenizer import ByteTokenizer
-from rlmtrain.rlm.records import RolloutGroup
-from rlmtrain.rollout.engines.sim import LatencyModel, SimEngine, text_script
+from rlmtrain.rollout.engine import Completion, SamplingParams
+from rlmtrain.rollout.engines.sim import SimEngine
 from rlmtrain.rollout.scheduler import Scheduler
-
-TOKENIZER = ByteTokenizer()
-Script = Callable[[str, int], str]
-"""(query, 0-based turn) -> reply text; plain LM calls get turn -1."""
-NEVER = "<generate until max_new_tokens>"
-
-
-def reply_of(script: Script) -> Callable[[str], str]:
-    def reply(prompt: str) -> str:
-        text = script_reply(script, prompt)
-        return "x" * 100_000 if text == NEVER else text
-
-    return reply
-
-
-def make(script: Script, **config: Any) -> tuple[Scheduler, SimEngine]:
-    engine = SimEngine(
-        script=text_script(TOKENIZER, reply_of(script)),
-        eos_id=TOKENIZER.eos_id,
-        latency=LatencyModel(a=0.002, b=0.0001),
-        max_batch_size=8,
-        decode=TOKENIZER.decode,
-    )
-    defaults = {
-        "max_turns": 4,
-        "max_depth": 2,
-        "max_new_tokens": 512,
-        "max_prompt_tokens": 16384,
-        "repl_timeout_s": 5.0,
-        "tree_timeout_s": 60.0,
-    }
-    scheduler = Scheduler(engine, TOKENIZER, RolloutConfig(**{**defaults, **config}))
-    return scheduler, engine
-
-
-def run(
-    scheduler: Scheduler,
-    engine: SimEngine,
-    tmp_path: Path,
-    *,
-    tasks: list[Task] | None = None,
-    n_samples: int = 1,
-    during: Callable[[Scheduler, SimEngine], Any] | None = None,
-) -> list[RolloutGroup]:
-    """One rollout, with `during(scheduler, engine)` run beside it; then the leak checks."""
-    tasks = tasks or [Task(id="t0", query="ROOT")]
-
-    async def main() -> list[RolloutGroup]:
-        rollout = asyncio.create_task(scheduler.rollout(tasks, DocEnv(), n_samples))
-        if during is not None:
-            await during(scheduler, engine)
-        groups = await rollout
-        assert set(scheduler.live().values()) == {0}, scheduler.live()
-        stats = engine.stats()
-        assert (stats.running, stats.waiting) == (0, 0)
-        await engine.wait_idle()
-        await engine.close()
-        return groups
-
-    with leak_checked_tempfile_root(tmp_path):
-        groups = asyncio.run(main())
-    for group in groups:
-        check_links(group)
-    return groups
-
-
-def check_links(group: RolloutGroup) -> None:
-    by_id = group.by_id()
-    assert len(by_id) == len(group.trajectories)
-    for trajectory in group.trajectories:
-        if trajectory.parent_id is not None:
-            parent = by_id[trajectory.parent_id]
-            assert trajectory.id in parent.children
-            assert trajectory.depth == parent.depth + 1
-        for turn in trajectory.turns:
-            assert len(turn.completion_ids) == len(turn.sampler_logprobs)
-    loaded = msgspec.json.decode(msgspec.json.encode(group), type=RolloutGroup)
-    assert loaded.trajectories == group.trajectories
-
-
-def shape(group: RolloutGroup, trajectory_id: str) -> Any:
-    """A tree as nested (id, finish_reason, [children...])."""
-    t = group.by_id()[trajectory_id]
-    return (t.id, t.finish_reason, [shape(group, c) for c in t.children])
-
 
 # ---------------------------------------------------------------------------------------------
 # Tree shapes
@@ -135,7 +60,21 @@ def fan_out_script(query: str, turn: int) -> str:
 
 
 def test_tree_shape_and_batched_answers_in_order(tmp_path: Path) -> None:
+    def fast_children_ended() -> int:
+        return sum(t.prompt == "fast" and t.finish_reason == "final" for t in records(scheduler))
+
+    class SlowWaitsForFast(Callers):
+        """Holds each slow child's last request until both fast children have ended: children run
+        one after another would time the trees out instead."""
+
+        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+            asked = script_reply(lambda query, turn: (query, turn), TOKENIZER.decode(prompt_ids))
+            while asked == ("slow", 2) and fast_children_ended() < 2:
+                await asyncio.sleep(0.01)
+            return await super().generate(prompt_ids, params)
+
     scheduler, engine = make(fan_out_script)
+    scheduler = Scheduler(SlowWaitsForFast(engine), TOKENIZER, scheduler.config)
     [group] = run(scheduler, engine, tmp_path, n_samples=2)
     for root in group.roots:
         assert root.answer == "S|ML|F"
@@ -255,8 +194,12 @@ def test_tree_timeout(tmp_path: Path) -> None:
             return code("FINAL(rlm_query('child'))")
         return code("print('thinking')")  # the child never finishes on its own
 
-    scheduler, engine = make(script, max_turns=10_000, tree_timeout_s=1.5)
-    [group] = run(scheduler, engine, tmp_path)
+    async def time_out_once_the_child_runs(scheduler: Scheduler, engine: SimEngine) -> None:
+        await skip_when(lambda: in_exec(scheduler, "child"), 30.0)
+
+    # The skip passes the tree's deadline, not the child's exec timeout.
+    scheduler, engine = make(script, max_turns=10_000, tree_timeout_s=30.0, repl_timeout_s=60.0)
+    [group] = run(scheduler, engine, tmp_path, during=time_out_once_the_child_runs)
     assert {t.finish_reason for t in group.trajectories} == {"timeout"}
     assert len(group.trajectories) == 2
 
@@ -280,8 +223,14 @@ def test_failing_and_timed_out_children_answer_their_parent(tmp_path: Path) -> N
             return code("import time", "time.sleep(60)")
         raise AssertionError(query)
 
-    scheduler, engine = make(script, max_turns=2, repl_timeout_s=1.0)
-    [group] = run(scheduler, engine, tmp_path)
+    async def time_out_the_hang_alone(scheduler: Scheduler, engine: SimEngine) -> None:
+        # Only the root's task and the hang's are left: no other exec is timed then.
+        await skip_when(
+            lambda: scheduler.live()["tasks"] == 2 and in_exec(scheduler, "hangs"), 30.0
+        )
+
+    scheduler, engine = make(script, max_turns=2, repl_timeout_s=30.0, tree_timeout_s=600.0)
+    [group] = run(scheduler, engine, tmp_path, during=time_out_the_hang_alone)
     [root] = group.roots
     ok, loops, hangs = eval(root.answer)
     assert ok == "fine"
@@ -330,15 +279,18 @@ def test_cancelled_rollout_leaves_nothing_running(tmp_path: Path) -> None:
     def script(query: str, turn: int) -> str:
         if query == "ROOT":
             return code("rlm_query_batched(['a', 'b'])")
-        return code("import time", "time.sleep(30)")
+        return code("import time", "time.sleep(600)")
 
     scheduler, engine = make(script, n_samples=1)
     before = descendants()
 
     async def main() -> None:
         rollout = asyncio.create_task(scheduler.rollout([Task(id="t", query="ROOT")], DocEnv(), 3))
-        while scheduler.live()["workers"] < 9:
+        # Cancelled with every child asleep in its exec, the roots waiting on them (a cancel
+        # that meets a frame on its way is the next test's).
+        while sum(bool(t.parent_id and t.turns) for t in records(scheduler)) < 6:
             await asyncio.sleep(0.01)
+        assert scheduler.live()["workers"] == 9
         rollout.cancel()
         with pytest.raises(asyncio.CancelledError):
             await rollout
@@ -347,6 +299,34 @@ def test_cancelled_rollout_leaves_nothing_running(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert descendants() - before == set()
+
+
+def test_a_cancel_that_meets_a_workers_frame_is_not_lost(tmp_path: Path) -> None:
+    """Cancelled the moment the last worker has forked, while the workers' first frames are on
+    their way: every exec the cancel meets must end then, not at its timeout. (On Python 3.11,
+    asyncio.wait_for lost such a cancellation and the exec ran on to its full timeout.)"""
+
+    def script(query: str, turn: int) -> str:
+        if query == "ROOT":
+            return code("rlm_query_batched(['a', 'b'])")
+        return code("import time", "time.sleep(600)")
+
+    scheduler, engine = make(script, n_samples=1, repl_timeout_s=240.0, tree_timeout_s=480.0)
+
+    async def main() -> None:
+        rollout = asyncio.create_task(scheduler.rollout([Task(id="t", query="ROOT")], DocEnv(), 3))
+        while scheduler.live()["workers"] < 9:
+            await asyncio.sleep(0)
+        rollout.cancel()
+        # A bound far under the exec timeout a lost cancellation would wait out.
+        await asyncio.wait({rollout}, timeout=60.0)
+        assert rollout.done(), "the cancelled rollout runs on: a cancellation was lost"
+        with pytest.raises(asyncio.CancelledError):
+            await rollout
+        assert set(scheduler.live().values()) == {0}, scheduler.live()
+        await engine.close()
+
+    asyncio.run(main())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +345,8 @@ def test_limits_on_trees_requests_and_workers_hold(tmp_path: Path) -> None:
     peaks = {"trees": 0, "requests": 0, "workers": 0, "running": 0}
 
     async def watch(scheduler: Scheduler, engine: SimEngine) -> None:
-        await asyncio.sleep(0.05)
+        while not scheduler.live()["trees"]:  # admitted a step after the rollout starts
+            await asyncio.sleep(0)
         while scheduler.live()["trees"]:
             live = scheduler.live()
             peaks["trees"] = max(peaks["trees"], live["trees"])
@@ -395,13 +376,26 @@ def test_deeper_requests_go_first(tmp_path: Path) -> None:
             return code("FINAL(rlm_query('child'))")
         return code(f"FINAL({query!r})")
 
+    class Held(Callers):
+        """Holds each of the first two calls until five requests wait behind it: the other
+        roots behind the first, the child and four roots behind the second."""
+
+        calls = 0
+
+        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+            self.calls += 1
+            if self.calls <= 2:
+                while scheduler._requests.waiting < 5:
+                    await asyncio.sleep(0.01)
+            return await super().generate(prompt_ids, params)
+
     scheduler, engine = make(script, max_inflight_requests=1, max_depth=1)
+    scheduler = Scheduler(Held(engine), TOKENIZER, scheduler.config)
     run(scheduler, engine, tmp_path, tasks=[Task(id="t", query="R")], n_samples=6)
-    # All six roots queue their first turn at once; the child arrives after the first one's
-    # REPL exec, behind the other five. In FIFO order it would run last (index 6); deeper
-    # first, it runs as soon as the request in flight ends.
+    # The child arrives after the first root's REPL exec, behind the other roots. In FIFO order
+    # it would run last (index 6); deeper first, it runs as soon as the request in flight ends.
     assert len(order) == 7 and order.count("child") == 1
-    assert order.index("child") <= 3
+    assert order.index("child") == 2
 
 
 @pytest.mark.slow
@@ -465,23 +459,39 @@ def test_injected_faults_cost_only_the_trees_they_touch(tmp_path: Path) -> None:
             return code("FINAL('|'.join(a))")
         return code("import time", "time.sleep(0.1)", "FINAL('ok')")
 
-    scheduler, engine = make(script, max_turns=3, tree_timeout_s=8.0)
+    scheduler, engine = make(script, max_turns=3, tree_timeout_s=60.0)
     # Which calls a fault hits depends on timing (a kill or a timeout ends a tree early, and
     # with it its later draws), so the rates and the 24 trees are set to make every kind of
-    # fault, and a tree no fault touches, near certain (each missing under 0.2%) in any timing;
-    # the tree timeout, which ends the hung calls' trees, is long enough that a busy machine's
-    # slow forks and execs time out no tree a fault left alone.
+    # fault, and a tree no fault touches, near certain (each missing under 0.2%) in any timing.
     plan = FaultPlan(engine_error=0.08, engine_hang=0.06, worker_kill=0.15, seed=3)
-    faulty = FaultyEngine(engine, plan)
+    # A call hangs while it is inside the faulty engine and not inside the engine it wraps.
+    reaching = Callers(engine)
+    faulty = FaultyEngine(reaching, plan)
+    asked = Callers(faulty)
     kills: Counter[str] = Counter()
     scheduler = Scheduler(
-        faulty,
+        asked,
         TOKENIZER,
         scheduler.config,
         start_zygote=killing_workers(scheduler.start_zygote, plan, kills),
     )
+
+    def every_tree_hung() -> bool:
+        hung = asked.inside - reaching.inside
+        trees = scheduler._trees.values()
+        return bool(trees) and all(tree.tasks & hung for tree in trees)
+
+    async def time_out_hung_trees(scheduler: Scheduler, engine: SimEngine) -> None:
+        # The tree timeout ends the hung calls' trees; it fires when only those are left, so
+        # it times out no tree a fault left alone, however slow a busy machine's forks are.
+        while True:
+            await skip_when(every_tree_hung, 60.0)
+            timed_out = set(scheduler._trees)
+            while timed_out & scheduler._trees.keys():  # they end before the next look
+                await asyncio.sleep(0.01)
+
     tasks = [Task(id=f"t{i}", query="ROOT") for i in range(12)]
-    groups = run(scheduler, engine, tmp_path, tasks=tasks, n_samples=2)
+    groups = run(scheduler, engine, tmp_path, tasks=tasks, n_samples=2, during=time_out_hung_trees)
     assert [g.task.id for g in groups] == [t.id for t in tasks]
     roots = [t for g in groups for t in g.roots]
     everyone = [t for g in groups for t in g.trajectories]

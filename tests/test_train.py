@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from clocks import RUN_HANG_S
 
 from rlmtrain.envs.base import write_tasks
 from rlmtrain.envs.codenav import generate_tasks
@@ -48,7 +49,7 @@ def run_train(*overrides: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         cwd=Path(__file__).resolve().parents[1],
-        timeout=600,
+        timeout=RUN_HANG_S,
     )
 
 

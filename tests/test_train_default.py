@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from clocks import RUN_HANG_S
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ def _cli(command: str, run_dir: Path, *extra: str) -> subprocess.CompletedProces
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=RUN_HANG_S,
     )
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from clocks import RUN_HANG_S
 
 from rlmtrain.devices import HAS_VLLM
 
@@ -33,7 +34,7 @@ def cli(*args: str, head: tuple[str, ...] = ("-m", "rlmtrain.cli")) -> subproces
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=RUN_HANG_S,
     )
 
 
