@@ -45,6 +45,10 @@ _DELEGATED = {
     ),
     ("rollout",): ("rlmtrain.rollout.cli", "sample trajectory trees of the configured tasks"),
     ("eval",): ("rlmtrain.eval_cli", "evaluate a checkpoint on held-out tasks"),
+    ("model", "import-gguf"): (
+        "rlmtrain.model.gguf_import",
+        "write a GGUF file as a Hugging Face folder (the gguf extra)",
+    ),
 }
 
 
@@ -70,10 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--config", help="TOML run file (default: built-in defaults)")
     show.set_defaults(run=_config_show)
 
-    data = commands.add_parser("data", help="build data sets")
-    data_commands = data.add_subparsers(dest="data_command", required=True)
+    groups = {}
+    for group, text in (("data", "build data sets"), ("model", "import model checkpoints")):
+        group_parser = commands.add_parser(group, help=text)
+        groups[group] = group_parser.add_subparsers(dest=f"{group}_command", required=True)
     for words, (_, text) in _DELEGATED.items():
-        parent = data_commands if words[0] == "data" else commands
+        parent = groups[words[0]] if len(words) > 1 else commands
         parent.add_parser(words[-1], help=text, add_help=False)
     return parser
 
