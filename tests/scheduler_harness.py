@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import clocks
-import msgspec
 from leaks import leak_checked_tempfile_root
-from scripted_model import DocEnv, script_reply
+from scripted_model import DocEnv, check_links, script_reply
 
 from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.base import Task
@@ -89,20 +88,6 @@ def run(
     for group in groups:
         check_links(group)
     return groups
-
-
-def check_links(group: RolloutGroup) -> None:
-    by_id = group.by_id()
-    assert len(by_id) == len(group.trajectories)
-    for trajectory in group.trajectories:
-        if trajectory.parent_id is not None:
-            parent = by_id[trajectory.parent_id]
-            assert trajectory.id in parent.children
-            assert trajectory.depth == parent.depth + 1
-        for turn in trajectory.turns:
-            assert len(turn.completion_ids) == len(turn.sampler_logprobs)
-    loaded = msgspec.json.decode(msgspec.json.encode(group), type=RolloutGroup)
-    assert loaded.trajectories == group.trajectories
 
 
 class Callers:

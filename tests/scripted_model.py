@@ -11,10 +11,13 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import msgspec
+
 from rlmtrain.envs.base import Env, Task
 from rlmtrain.rlm.prompts import PLAIN_CALL_SYSTEM
+from rlmtrain.rlm.records import RolloutGroup
 
-__all__ = ["DocEnv", "code", "script_reply"]
+__all__ = ["DocEnv", "check_links", "code", "script_reply"]
 
 R = TypeVar("R")
 
@@ -43,3 +46,24 @@ def script_reply(script: Callable[[str, int], R], prompt: str) -> R:
         return script(question, -1)
     query, turn = re.findall(r"Query: (.*?)\n\nThis is turn (\d+) of", prompt, re.S)[-1]
     return script(query, int(turn) - 1)
+
+
+def check_links(group: RolloutGroup) -> None:
+    """What every rolled-out tree must hold, whoever ran it: parents and children name each
+    other, depth and root follow the parent, each turn has a log-prob per completion token and
+    ends after it starts, and the group survives a JSON round trip."""
+    by_id = group.by_id()
+    assert len(by_id) == len(group.trajectories)
+    for trajectory in group.trajectories:
+        if trajectory.parent_id is not None:
+            parent = by_id[trajectory.parent_id]
+            assert trajectory.id in parent.children
+            assert trajectory.depth == parent.depth + 1
+            assert trajectory.root_id == parent.root_id
+        for child_id in trajectory.children:
+            assert by_id[child_id].parent_id == trajectory.id
+        for turn in trajectory.turns:
+            assert len(turn.completion_ids) == len(turn.sampler_logprobs)
+            assert turn.started <= turn.ended
+    loaded = msgspec.json.decode(msgspec.json.encode(group), type=RolloutGroup)
+    assert loaded.trajectories == group.trajectories

@@ -22,7 +22,7 @@ import clocks
 import msgspec
 import pytest
 from leaks import leak_checked_tempfile_root
-from scripted_model import DocEnv, code, script_reply
+from scripted_model import DocEnv, check_links, code, script_reply
 
 from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.base import Task
@@ -205,20 +205,9 @@ def run_tree(
 
 def check_tree(group: RolloutGroup, agent: Agent, *, exact_prompts: bool) -> None:
     """Invariants of every tree: linkage, exact prompt ids, fresh final messages, JSONL trip."""
-    by_id = group.by_id()
-    assert len(by_id) == len(group.trajectories)
-    for trajectory in group.trajectories:
-        if trajectory.parent_id is not None:
-            parent = by_id[trajectory.parent_id]
-            assert trajectory.id in parent.children
-            assert trajectory.depth == parent.depth + 1
-            assert trajectory.root_id == parent.root_id
-        for child_id in trajectory.children:
-            assert by_id[child_id].parent_id == trajectory.id
-        for turn in trajectory.turns:
-            assert len(turn.completion_ids) == len(turn.sampler_logprobs)
-            assert turn.started <= turn.ended
-        if exact_prompts:
+    check_links(group)
+    if exact_prompts:
+        for trajectory in group.trajectories:
             check_prompts(trajectory, agent)
     loaded = read_back(group)
     assert loaded.trajectories == group.trajectories
