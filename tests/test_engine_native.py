@@ -1,4 +1,4 @@
-"""NativeEngine on the tiny random model in fp32 on the CPU.
+"""NativeEngine on the tiny random model on the CPU, in fp32 (and once in bf16).
 
 Batching must not change what a request samples: greedy outputs under 64 concurrent requests
 (more than the batch, more than the KV budget holds at once) equal the same requests run one by
@@ -10,6 +10,7 @@ forward of the full sequence. Weight updates land between steps without losing a
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import pytest
 import torch
@@ -267,3 +268,33 @@ def test_close_aborts_requests_in_flight(model) -> None:
     running, queued = run(close_early())
     assert running.finish_reason == "abort" and 0 < len(running.token_ids) < 1000
     assert queued.finish_reason == "abort" and queued.token_ids == []
+
+
+def test_bfloat16_model_samples_what_the_trainer_computes() -> None:
+    """A bf16 policy (`model.dtype = "bfloat16"`): its cache holds bf16 keys and values, the
+    attention and the logits run in fp32, and the log-probs match the trainer's bf16 forward
+    within bf16's rounding; after a weight update the engine samples from the new head."""
+    policy = build_model(ModelConfig(preset="tiny", seed=0, dtype="bfloat16"))
+    other = build_model(ModelConfig(preset="tiny", seed=1, dtype="bfloat16"))
+    requests = prompts(4, seed=3)
+    params = [SamplingParams(max_new_tokens=8, seed=7 + i) for i in range(len(requests))]
+
+    async def sample(update: bool):
+        # Its own copy: an update must not change `policy`, the reference of the first run.
+        engine = NativeEngine(copy.deepcopy(policy), max_batch_size=4, kv_cache_tokens=1024)
+        assert engine.cache.keys.dtype == torch.bfloat16
+        if update:
+            await engine.update_weights(named_hf_tensors(other))
+        results = await generate_all(engine, requests, lambda i: params[i])
+        await engine.close()
+        return results
+
+    before = run(sample(update=False))
+    after = run(sample(update=True))
+    for served, results in ((other, after), (policy, before)):
+        for prompt, completion in zip(requests, results, strict=True):
+            expected = completion_logprobs(served, prompt, completion.token_ids)
+            torch.testing.assert_close(
+                torch.tensor(completion.logprobs), expected.float(), atol=0.02, rtol=0
+            )
+    assert [c.token_ids for c in before] != [c.token_ids for c in after]

@@ -194,7 +194,9 @@ class KVCache:
         self._page_of: dict[bytes, int] = {}
         self._digest_of: dict[int, bytes] = {}
         self._seqs: dict[int, _Sequence] = {}
-        self._workspaces: list[Tensor | None] = [None, None]  # keys, values
+        # Reused gather buffers (keys, values): fp32, and in the cache's dtype when it differs.
+        self._workspaces: list[Tensor | None] = [None, None]
+        self._staging: list[Tensor | None] = [None, None]
 
     @classmethod
     def for_model(
@@ -394,20 +396,34 @@ class KVCache:
         return as_tensor(positions), as_tensor(slots), as_tensor([p + 1 for p in positions]), filled
 
     def _gather(self, layer: int, pages: Tensor, *, values: bool) -> Tensor:
-        """Keys (or values) of `layer` in `pages[N]`, `[Hkv, N * page_size, D]`, written into a
-        workspace that every call for the same side reuses: use them before the next call.
-        Copying into a fresh tensor per call cost 6x the copy itself on the CPU (page faults on
-        new memory)."""
+        """Keys (or values) of `layer` in `pages[N]`, `[Hkv, N * page_size, D]` in fp32 (the
+        attention's arithmetic, whatever the cache's dtype), written into a workspace that every
+        call for the same side reuses: use them before the next call. Copying into a fresh tensor
+        per call cost 6x the copy itself on the CPU (page faults on new memory)."""
         store = self.values if values else self.keys
         heads, rows = store.shape[1], pages.numel()
         width = self.page_size * store.shape[3]
         size = heads * rows * width
-        workspace = self._workspaces[values]
-        if workspace is None or workspace.numel() < size:
-            workspace = self._workspaces[values] = store.new_empty(size + size // 4)
-        buffer = workspace[:size].view(heads, rows, width)
-        torch.index_select(store[layer].view(heads, self.num_pages, width), 1, pages, out=buffer)
+        buffer = self._workspace(self._workspaces, values, size, torch.float32)
+        buffer = buffer.view(heads, rows, width)
+        pages_of_layer = store[layer].view(heads, self.num_pages, width)
+        if store.dtype == torch.float32:
+            torch.index_select(pages_of_layer, 1, pages, out=buffer)
+        else:
+            staged = self._workspace(self._staging, values, size, store.dtype)
+            torch.index_select(pages_of_layer, 1, pages, out=staged.view(heads, rows, width))
+            buffer.view(-1).copy_(staged)
         return buffer.view(heads, rows * self.page_size, -1)
+
+    def _workspace(
+        self, spaces: list[Tensor | None], values: bool, size: int, dtype: torch.dtype
+    ) -> Tensor:
+        """The first `size` elements of a reused buffer of `dtype` (one per side), grown by a
+        quarter past what is asked when it is too small."""
+        space = spaces[values]
+        if space is None or space.numel() < size:
+            space = spaces[values] = self.keys.new_empty(size + size // 4, dtype=dtype)
+        return space[:size]
 
     def _slots(self, seq_id: int, start: int, end: int) -> Tensor:
         positions = torch.arange(start, end)

@@ -174,7 +174,7 @@ class PagedQueries:
         self.num_rows = sum(end - start for _, _, start, end in spans)
         keys = cache.keys
         self._min_rows = math.ceil(
-            invariant_rows(keys.device, keys.dtype, keys.shape[-1], self.chunk_tokens)
+            invariant_rows(keys.device, torch.float32, keys.shape[-1], self.chunk_tokens)
             / heads_per_kv
         )
         alone: list[_Item] = []
