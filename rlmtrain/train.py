@@ -146,7 +146,7 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
     optimizer = build_optimizer(model, cfg)
     log.info(
         "model: %s, %.2fM parameters, vocabulary %d, on %d x %s (%s compute, fp32 masters)",
-        cfg.model.preset,
+        cfg.model.hf_dir or f"preset {cfg.model.preset}",
         _millions(model),
         model.args.vocab_size,
         world.size,

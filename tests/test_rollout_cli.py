@@ -4,6 +4,7 @@ task, two trees of one short turn, the native engine with the random tiny model,
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -41,9 +42,13 @@ def test_rollout_writes_groups_and_a_summary(tmp_path: Path, capsys) -> None:
         for turn in trajectory.turns:
             assert 1 <= len(turn.completion_ids) <= 8
             assert len(turn.sampler_logprobs) == len(turn.completion_ids)
-    summary = capsys.readouterr().out
+    captured = capsys.readouterr()
+    summary = captured.out
     assert f"wrote 1 groups to {out}" in summary
     assert "2 trees" in summary and "mean root reward" in summary
+    # The progress bar counts from where the engine's counters stood when it began.
+    rates = re.findall(r"tok_s=(\d+)", captured.err)
+    assert rates and int(rates[-1]) > 0, captured.err[-500:]
 
 
 def test_bad_config_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:

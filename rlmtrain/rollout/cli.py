@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rlmtrain.config import Config, ConfigError, load_config, parse_args_and_overrides
 from rlmtrain.devices import BackendUnavailable
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, write_groups
@@ -36,7 +38,6 @@ def load_tasks(config: Config, env: Any) -> list[Any]:
 def _with_trained_tokenizer(config: Config) -> Config:
     """'bpe' names the tokenizer `rlmtrain train` trained into `<checkpoint.dir>/tokenizer`; a
     randomly initialised model then gets its vocabulary, as in training."""
-    import msgspec
 
     if config.model.tokenizer != "bpe":
         return config
@@ -63,7 +64,8 @@ class RolloutProgress:
         from tqdm import tqdm
 
         self.engine = engine
-        self.start = engine.stats()
+        # A copy: engines hand out their live counters.
+        self.start = msgspec.structs.replace(engine.stats())
         self.began = time.perf_counter()
         self.bar = tqdm(total=total, desc="rollout", unit="tree", file=sys.stderr)
 
