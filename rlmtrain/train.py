@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -104,11 +105,32 @@ def main(cfg: Config) -> int:
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        # Log lines print above the run's progress bar instead of cutting through it.
-        with logging_redirect_tqdm():
-            return uvloop.run(_train(cfg, world, device))
+        # A SIGTERM (a plain `kill`, torchrun stopping the other ranks after one failed, a
+        # scheduler's preemption) unwinds the run like an exception wherever it is, inside a
+        # train step too, so its cleanup runs: the engine is closed (vLLM's engine processes
+        # would otherwise outlive the trainer, orphaned and polling a core), REPL zygotes and
+        # the run log too. The run resumes from its newest checkpoint.
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        try:
+            # Log lines print above the run's progress bar instead of cutting through it.
+            with logging_redirect_tqdm():
+                return uvloop.run(_train(cfg, world, device))
+        except _Terminated:
+            log.warning("stopped by SIGTERM; the same command resumes from the newest checkpoint")
+            return 128 + signal.SIGTERM
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
         parallel.stop()
+
+
+class _Terminated(BaseException):
+    """A SIGTERM, raised where the main thread is: BaseException, like KeyboardInterrupt, so no
+    `except Exception` on the way swallows it."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
 
 
 async def _train(cfg: Config, world: parallel.World, device: torch.device) -> int:

@@ -11,12 +11,16 @@ the exported policy. Under torchrun, two FSDP2 ranks each sample from a vLLM eng
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 from clocks import RUN_HANG_S
 
@@ -95,3 +99,38 @@ def test_two_ranks_each_train_on_their_own_vllm(tmp_path: Path) -> None:
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "on 2 x cpu" in trained.stderr
     _check_rl_steps(run)
+
+
+def test_sigterm_stops_the_run_and_its_vllm_engine(tmp_path: Path) -> None:
+    """A plain `kill` of a training run that samples with vLLM: the run stops with exit code 143
+    and closes its engine, so no vLLM process outlives it (before, the engine core and its
+    worker were left orphaned, each polling a core)."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "rlmtrain.cli", "train", "--config", "configs/tiny-cpu.toml"]
+    command += [*SHORT_TRAIN, "--train.sft_steps=100000", f"--checkpoint.dir={run}"]
+    trainer = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    below: list[psutil.Process] = []
+    try:
+        # The engine is up before SFT starts; the first SFT checkpoint says SFT has (the log
+        # files are written in blocks, not line by line).
+        checkpoints, give_up = run / "checkpoints", time.monotonic() + RUN_HANG_S
+        while not any(checkpoints.glob("sft-*/COMPLETE")):
+            assert trainer.poll() is None, trainer.stderr.read()[-3000:]
+            assert time.monotonic() < give_up, "no SFT checkpoint written"
+            time.sleep(0.1)
+        below = psutil.Process(trainer.pid).children(recursive=True)
+        assert any(p.name().startswith("VLLM") for p in below), [p.name() for p in below]
+        trainer.send_signal(signal.SIGTERM)
+        _, stderr = trainer.communicate(timeout=RUN_HANG_S)
+        assert trainer.returncode == 143, stderr[-3000:]
+        assert "stopped by SIGTERM" in stderr
+        _, alive = psutil.wait_procs(below, timeout=60)
+        assert alive == [], f"left running: {[(p.pid, p.name()) for p in alive]}"
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        for process in below:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
