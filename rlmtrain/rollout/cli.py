@@ -38,7 +38,6 @@ def load_tasks(config: Config, env: Any) -> list[Any]:
 def _with_trained_tokenizer(config: Config) -> Config:
     """'bpe' names the tokenizer `rlmtrain train` trained into `<checkpoint.dir>/tokenizer`; a
     randomly initialised model then gets its vocabulary, as in training."""
-
     if config.model.tokenizer != "bpe":
         return config
     from rlmtrain.model.bpe import trained_tokenizer_dir
