@@ -1,7 +1,7 @@
 """Train-step throughput of the tiny model at 1 and 2 CPU ranks (FSDP2 over gloo).
 
 Each run is a subprocess (`python` alone, or torchrun with 2 ranks, one thread per rank, as on
-this 2-core machine) that times the trainer's own GRPO step, `train._grpo_step`, on a fixed
+this 2-core machine) that times the trainer's own GRPO step, `training.steps.grpo_step`, on a fixed
 batch of 32 random samples of 256-767 tokens (about 16k tokens, micro-batches of 4096 tokens):
 one warm-up step, then `STEPS` timed ones. Printed and stored in `extra_info`: tokens per second
 of the whole batch (all ranks together) and the 2-rank speed-up.
@@ -51,11 +51,12 @@ def _worker() -> None:
     import msgspec
     import torch
 
-    from rlmtrain import parallel, train
+    from rlmtrain import parallel
     from rlmtrain.algo import pack
     from rlmtrain.config import Config, ModelConfig
     from rlmtrain.model import build_model
     from rlmtrain.optim import build_optimizer
+    from rlmtrain.training.steps import grpo_step
 
     world, device = parallel.start("cpu")
     try:
@@ -69,11 +70,11 @@ def _worker() -> None:
         model = parallel.shard(build_model(cfg.model), device, torch.float32)
         optimizer = build_optimizer(model, cfg)
         packed = pack(_batch(2048), cfg.algo.micro_batch_tokens, world_size=world.size)
-        train._grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
+        grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
         parallel.barrier()
         began = time.perf_counter()
         for _ in range(STEPS):
-            train._grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
+            grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
         parallel.barrier()
         seconds = (time.perf_counter() - began) / STEPS
         if world.is_main:

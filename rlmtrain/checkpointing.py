@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlmtrain import parallel
 from rlmtrain.model.hf import CheckpointError
+from rlmtrain.run_folder import RunFolder
 
 __all__ = [
     "TrainerState", "check", "latest", "load", "load_frozen", "names", "save", "trainer_state",
@@ -72,10 +73,6 @@ class TrainerState(msgspec.Struct, kw_only=True):
     a checkpoint written before it was recorded: `load` then reads it off the saved keys."""
 
 
-def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
 def save(
     run_dir: Path,
     model: torch.nn.Module,
@@ -87,7 +84,7 @@ def save(
 ) -> Path:
     """Write one checkpoint (all ranks call this together); its final path. `frozen`: models
     that are not trained but must come back too (the KL reference), by name."""
-    root = checkpoints_dir(run_dir)
+    root = RunFolder(run_dir).checkpoints
     name = f"{state.phase}-{state.step:06d}"
     final = root / name
     temporary = root / f".{name}.partial"
@@ -144,14 +141,14 @@ def latest(run_dir: Path) -> Path | None:
     found = names(run_dir)
     if not found:
         return None
-    newest = checkpoints_dir(run_dir) / found[-1]
+    newest = RunFolder(run_dir).checkpoints / found[-1]
     check(newest)
     return newest
 
 
 def names(run_dir: Path) -> list[str]:
     """The names of the run's checkpoint folders, complete or not, oldest first."""
-    root = checkpoints_dir(run_dir)
+    root = RunFolder(run_dir).checkpoints
     if not root.is_dir():
         return []
     return sorted((p.name for p in root.iterdir() if _NAME.match(p.name)), key=_order)

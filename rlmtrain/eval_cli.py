@@ -27,6 +27,7 @@ import msgspec
 
 from rlmtrain.config import Config, ConfigError, load_config, parse_args_and_overrides
 from rlmtrain.devices import BackendUnavailable
+from rlmtrain.run_folder import RunFolder
 
 __all__ = ["cli", "heldout_path", "load_checkpoint"]
 
@@ -38,7 +39,7 @@ def heldout_path(config: Config) -> Path:
         if not path.is_file():
             raise ConfigError(f"data.eval_path: {path} not found")
         return path
-    path = Path(config.checkpoint.dir) / "data" / "eval" / "tasks.jsonl"
+    path = RunFolder.of(config).data("eval") / "tasks.jsonl"
     if not path.is_file():
         raise ConfigError(
             f"{path}: no held-out tasks; run `rlmtrain train` first (it writes this split) "
@@ -93,13 +94,12 @@ def _check_folder(directory: Path) -> Path:
 def _tokenizer(directory: Path, config: Config) -> Any:
     """The checkpoint's own tokenizer when it has one, else `model.tokenizer` ('bpe': the one
     the run trained, in `<checkpoint.dir>/tokenizer`)."""
-    from rlmtrain.model.bpe import trained_tokenizer_dir
     from rlmtrain.model.tokenizer import load_tokenizer
 
     if (directory / "tokenizer.json").is_file():
         return load_tokenizer(str(directory))
     if config.model.tokenizer == "bpe":
-        trained = trained_tokenizer_dir(config.checkpoint.dir)
+        trained = RunFolder.of(config).tokenizer
         if not (trained / "tokenizer.json").is_file():
             raise ConfigError(
                 f"model.tokenizer: 'bpe' is trained by `rlmtrain train`, but neither {directory} "
@@ -166,7 +166,7 @@ def cli(argv: list[str]) -> int:
 
     try:
         config = load_config(args.config, overrides)
-        checkpoint = Path(args.checkpoint or Path(config.checkpoint.dir) / "final")
+        checkpoint = Path(args.checkpoint or RunFolder.of(config).final)
         report = _run(config, checkpoint)
     except (
         ConfigError,

@@ -35,6 +35,7 @@ import torch
 
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
+from rlmtrain.run_folder import RunFolder
 
 __all__ = ["HAS_TENSORBOARD", "HAS_WANDB", "RunLog"]
 
@@ -62,18 +63,17 @@ class RunLog:
                 "installed (pip install wandb), or leave it empty"
             )
         self._cfg = cfg
-        self._run_dir = Path(run_dir)
+        folder = RunFolder(run_dir, cfg.logging.metrics_path)
+        self._curves = folder.curves
         self._on = rank0
         self._closed = False
         self._position = 0
         self._sft_loss: list[tuple[int, float]] = []
         self._rl_reward: list[tuple[int, float]] = []
         self._evals: list[tuple[int, dict[str, Any]]] = []
-        self._metrics = _JsonLines(
-            Path(cfg.logging.metrics_path or self._run_dir / "metrics.jsonl")
-        )
-        self._eval_file = _JsonLines(self._run_dir / "eval.jsonl")
-        self._samples_file = _JsonLines(self._run_dir / "samples.jsonl")
+        self._metrics = _JsonLines(folder.metrics)
+        self._eval_file = _JsonLines(folder.evals)
+        self._samples_file = _JsonLines(folder.samples)
         self._tb = None
         self._wandb = None
         self._bar = None
@@ -83,7 +83,7 @@ class RunLog:
             if HAS_TENSORBOARD:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(self._run_dir / "tb"))
+                self._tb = SummaryWriter(str(folder.tensorboard))
             else:
                 log.info(
                     "logging: tensorboard is not installed, no events written (pip install "
@@ -95,8 +95,8 @@ class RunLog:
             self._wandb = wandb.init(
                 project=cfg.logging.wandb_project,
                 mode=cfg.logging.wandb_mode,
-                dir=str(self._run_dir),
-                name=self._run_dir.name,
+                dir=str(folder.root),
+                name=folder.root.name,
                 config=msgspec.to_builtins(cfg),
             )
         if cfg.logging.progress:
@@ -279,7 +279,7 @@ class RunLog:
         for f in (self._metrics, self._eval_file, self._samples_file):
             f.close()
         if self._cfg.logging.plot:
-            _plot(self._run_dir / "curves.png", self._sft_loss, self._rl_reward, self._evals)
+            _plot(self._curves, self._sft_loss, self._rl_reward, self._evals)
 
     def __enter__(self) -> RunLog:
         return self

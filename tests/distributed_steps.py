@@ -18,7 +18,7 @@ import json
 import msgspec
 import torch
 
-from rlmtrain import parallel, train
+from rlmtrain import parallel
 from rlmtrain.algo import build_samples, compute_advantages, pack
 from rlmtrain.config import Config, ModelConfig
 from rlmtrain.kernels import fused_linear_logprob
@@ -26,6 +26,9 @@ from rlmtrain.model import build_model
 from rlmtrain.optim import build_optimizer
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
 from rlmtrain.rollout.engines.native import NativeEngine
+from rlmtrain.training.rl import reference_policy
+from rlmtrain.training.run import EngineSync
+from rlmtrain.training.steps import DTYPES, grpo_step
 
 PROMPT = list(b"<|im_start|>user\nname a colour<|im_end|>\n<|im_start|>assistant\n")
 
@@ -67,7 +70,7 @@ async def _engine_misses(model, cfg: Config, state) -> list[str]:
     served_model = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
     engine = NativeEngine(served_model, max_batch_size=1, kv_cache_tokens=64)
     try:
-        await train._EngineSync(engine, model, colocate=False)()
+        await EngineSync(engine, model, colocate=False)()
         served = dict(engine.model.named_parameters())
         return sorted(
             name
@@ -108,17 +111,15 @@ def main() -> None:
         model = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
         samples = fixed_samples(model, cfg)
         initial = {k: v.clone() for k, v in model.state_dict().items()}
-        model = parallel.shard(model, device, train._DTYPES[args.dtype])
+        model = parallel.shard(model, device, DTYPES[args.dtype])
         optimizer = build_optimizer(model, cfg)
-        reference = train._reference(cfg, model, device, None, 0)
+        reference = reference_policy(cfg, model, device, None, 0)
         packed = pack(samples, cfg.algo.micro_batch_tokens, world_size=world.size)
         mine = [len(mb.sample_indices) for mb in packed.micro_batches(world.rank)]
         counts = parallel.all_gather(sum(mine))
         losses = []
         for _ in range(args.steps):
-            row = train._grpo_step(
-                model, optimizer, packed, cfg, device, reference, rank=world.rank
-            )
+            row = grpo_step(model, optimizer, packed, cfg, device, reference, rank=world.rank)
             losses.append(row["loss"])
         state = parallel.full_state(model)
         engine_misses = parallel.all_gather(asyncio.run(_engine_misses(model, cfg, state)))

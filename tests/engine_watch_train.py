@@ -13,8 +13,8 @@ import sys
 
 from safetensors.torch import save_file
 
-from rlmtrain import train
 from rlmtrain.model import named_hf_tensors
+from rlmtrain.training import startup
 
 
 def _watched(build_engine, out: str):
@@ -34,7 +34,9 @@ def _watched(build_engine, out: str):
 
 
 if __name__ == "__main__":
-    train.build_engine = _watched(train.build_engine, os.environ["RLMTRAIN_TEST_ENGINE_WEIGHTS"])
+    startup.build_engine = _watched(
+        startup.build_engine, os.environ["RLMTRAIN_TEST_ENGINE_WEIGHTS"]
+    )
     from rlmtrain.cli import main
 
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""`python -m rlmtrain.train` with every REPL exec delayed by a random few milliseconds, drawn
+"""`python -m rlmtrain train` with every REPL exec delayed by a random few milliseconds, drawn
 from a generator of its own seeded by RLMTRAIN_TEST_JITTER_SEED: asynchronous requests then
 reach the engine in another order and other company than in an unperturbed run, which is what
 the determinism tests need (`tests/test_resume.py`). Runs under torchrun too.

@@ -6,7 +6,7 @@
   each rank's own engine, synced one gathered parameter at a time, then holds those weights;
 - bf16 compute keeps fp32 master weights, which a 1e-6 learning rate still moves;
 - the Hugging Face export, gathered from the shards, loads in transformers with our logits;
-- `torchrun --nproc_per_node 2 -m rlmtrain.train` and `python -m rlmtrain.train` run the
+- `torchrun --nproc_per_node 2 -m rlmtrain train` and `python -m rlmtrain train` run the
   shortened default to the end.
 """
 
@@ -88,10 +88,11 @@ def test_bf16_export_of_sharded_masters_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     import msgspec
 
-    from rlmtrain import parallel, train
+    from rlmtrain import parallel
     from rlmtrain.config import Config, ModelConfig
     from rlmtrain.model import build_model, load_hf
     from rlmtrain.model.tokenizer import load_tokenizer
+    from rlmtrain.training.run import export
 
     cfg = Config()
     cfg = msgspec.structs.replace(
@@ -102,7 +103,7 @@ def test_bf16_export_of_sharded_masters_loads_in_transformers(tmp_path):
         model = parallel.shard(build_model(ModelConfig(preset="tiny", vocab_size=300, seed=3)),
                                device, torch.bfloat16)  # fmt: skip
         tokenizer = load_tokenizer("byte")
-        out = train._export(cfg, model, tokenizer, None, tmp_path / "final", world)
+        out = export(model, cfg, tokenizer, None, tmp_path / "final")
     finally:
         parallel.stop()
     config = json.loads((out / "config.json").read_text())
@@ -148,7 +149,7 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
     head = [sys.executable] if launch == "python" else [*TORCHRUN, "--master_port", port]
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [*head, "-m", "rlmtrain.train", *SHORT, f"--checkpoint.dir={run_dir}"],
+        [*head, "-m", "rlmtrain", "train", *SHORT, f"--checkpoint.dir={run_dir}"],
         cwd=ROOT,
         capture_output=True,
         text=True,

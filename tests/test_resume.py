@@ -52,7 +52,7 @@ def _env() -> dict[str, str]:
 
 
 def _launch(ranks: int, perturbed: bool) -> list[str]:
-    entry = [str(PERTURBED)] if perturbed else ["-m", "rlmtrain.train"]
+    entry = [str(PERTURBED)] if perturbed else ["-m", "rlmtrain", "train"]
     if ranks == 1:
         return [sys.executable, *entry]
     port = str(29700 + (os.getpid() + 10 * ranks + perturbed) % 1000)
@@ -377,7 +377,7 @@ def test_a_checkpoint_before_the_first_rl_update_resumes(tmp_path, two_tasks):
 
 
 class _Texts:
-    """The one thing `train._tokenizer` asks of an env: the text to train a BPE on."""
+    """The one thing `run_tokenizer` asks of an env: the text to train a BPE on."""
 
     def __init__(self, texts: list[str]) -> None:
         self.texts = texts
@@ -389,19 +389,20 @@ class _Texts:
 def test_a_resumed_run_reads_its_tokenizer_instead_of_training_another(tmp_path):
     from rlmtrain import parallel
     from rlmtrain.config import Config, ConfigError, ModelConfig
-    from rlmtrain.train import _tokenizer
+    from rlmtrain.run_folder import RunFolder
+    from rlmtrain.training.startup import run_tokenizer
 
     world = parallel.World()
     cfg = Config(model=ModelConfig(preset="tiny", tokenizer="bpe", bpe_vocab_size=300))
     first = ["def search(query): return [p for p in papers if query in p]"] * 50
-    _, trained, folder = _tokenizer(cfg, _Texts(first), [], tmp_path, world)
+    _, trained, folder = run_tokenizer(cfg, _Texts(first), [], RunFolder(tmp_path), world)
     saved = (folder / "tokenizer.json").read_bytes()
     # The data changed between the runs: a fresh tokenizer would get other merges.
     other = ["zebra quagga okapi " * 20] * 50
-    _, fresh, _ = _tokenizer(cfg, _Texts(other), [], tmp_path / "fresh", world)
+    _, fresh, _ = run_tokenizer(cfg, _Texts(other), [], RunFolder(tmp_path / "fresh"), world)
     assert fresh.encode(first[0]) != trained.encode(first[0])
-    _, resumed, _ = _tokenizer(cfg, _Texts(other), [], tmp_path, world, resuming=True)
+    _, resumed, _ = run_tokenizer(cfg, _Texts(other), [], RunFolder(tmp_path), world, resuming=True)
     assert (folder / "tokenizer.json").read_bytes() == saved
     assert resumed.encode(first[0]) == trained.encode(first[0])
     with pytest.raises(ConfigError, match="holds no tokenizer"):
-        _tokenizer(cfg, _Texts(first), [], tmp_path / "empty", world, resuming=True)
+        run_tokenizer(cfg, _Texts(first), [], RunFolder(tmp_path / "empty"), world, resuming=True)

@@ -126,17 +126,17 @@ def test_malformed_task_line_is_a_one_line_error(tmp_path, codenav_tasks):
 
 
 def test_grpo_step_moves_the_policy_with_kl_and_tis():
-    """One `_grpo_step` on a hand-made group: the loss is finite, the KL to the frozen reference
+    """One `grpo_step` on a hand-made group: the loss is finite, the KL to the frozen reference
     starts at 0, the engine log-probs equal pi_old, and the better root's tokens gain log-prob."""
     import msgspec
     import torch
 
-    from rlmtrain import train
     from rlmtrain.algo import build_samples, compute_advantages, pack
     from rlmtrain.config import Config, ModelConfig
     from rlmtrain.kernels import fused_linear_logprob
     from rlmtrain.model import build_model
     from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
+    from rlmtrain.training.steps import grpo_step
 
     torch.manual_seed(0)
     model = build_model(ModelConfig())
@@ -168,7 +168,7 @@ def test_grpo_step_moves_the_policy_with_kl_and_tis():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference = _frozen_copy(model)
     before = sum(engine_logprobs(completions[0]))
-    row = train._grpo_step(model, optimizer, batches, cfg, torch.device("cpu"), reference)
+    row = grpo_step(model, optimizer, batches, cfg, torch.device("cpu"), reference)
     assert torch.isfinite(torch.tensor(row["loss"]))
     assert row["kl_mean"] == pytest.approx(0.0, abs=1e-6)
     assert row["tis_clipped_frac"] == 0.0  # the engine's log-probs equal the trainer's
@@ -222,9 +222,9 @@ def test_grpo_step_forwards(updates, monkeypatch):
     import msgspec
     import torch
 
-    from rlmtrain import train
     from rlmtrain.config import Config, ModelConfig
     from rlmtrain.model import Transformer, build_model
+    from rlmtrain.training.steps import grpo_step
 
     torch.manual_seed(0)
     model = build_model(ModelConfig())
@@ -247,7 +247,7 @@ def test_grpo_step_forwards(updates, monkeypatch):
     steps = []
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     monkeypatch.setattr(optimizer, "step", lambda *a, **k: steps.append(1))
-    row = train._grpo_step(model, optimizer, batches, cfg, torch.device("cpu"))
+    row = grpo_step(model, optimizer, batches, cfg, torch.device("cpu"))
     if updates == 1:
         assert forwards == [True] * micro and len(steps) == 1
     else:
@@ -265,9 +265,9 @@ def test_grpo_step_fused_and_unfused_agree(updates):
     import msgspec
     import torch
 
-    from rlmtrain import train
     from rlmtrain.config import Config, ModelConfig
     from rlmtrain.model import build_model
+    from rlmtrain.training.steps import grpo_step
 
     torch.manual_seed(0)
     model = build_model(ModelConfig())
@@ -284,9 +284,7 @@ def test_grpo_step_fused_and_unfused_agree(updates):
         # (Adam's first step is the gradient's sign, which flips on gradients near 0).
         optimizer = torch.optim.SGD(run.parameters(), lr=1.0)
         reference = _frozen_copy(model)
-        rows[impl] = train._grpo_step(
-            run, optimizer, batches, impl_cfg, torch.device("cpu"), reference
-        )
+        rows[impl] = grpo_step(run, optimizer, batches, impl_cfg, torch.device("cpu"), reference)
         models[impl] = run
     for key in ("loss", "kl_mean", "clip_frac_low", "clip_frac_high", "entropy", "grad_norm"):
         assert rows["unfused"][key] == pytest.approx(rows["torch"][key], abs=1e-5), key
@@ -318,11 +316,11 @@ def test_colocated_sync_sleeps_for_the_step_and_wakes_weights_before_the_kv_cach
 
     from rlmtrain.config import ModelConfig
     from rlmtrain.model import build_model
-    from rlmtrain.train import _EngineSync
+    from rlmtrain.training.run import EngineSync
 
     model = build_model(ModelConfig(preset="tiny", vocab_size=300))
     engine = _SleepyEngine()
-    sync = _EngineSync(engine, model, colocate=colocate)
+    sync = EngineSync(engine, model, colocate=colocate)
     every = f"update {len(list(model.parameters()))}"
 
     async def a_run():

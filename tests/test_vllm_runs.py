@@ -95,7 +95,8 @@ def test_two_ranks_each_train_on_their_own_vllm(tmp_path: Path) -> None:
     run = tmp_path / "run"
     port = str(29700 + os.getpid() % 1000)
     torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port)
-    trained = cli(*SHORT_TRAIN, f"--checkpoint.dir={run}", head=(*torchrun, "-m", "rlmtrain.train"))
+    head = (*torchrun, "-m", "rlmtrain", "train")
+    trained = cli(*SHORT_TRAIN, f"--checkpoint.dir={run}", head=head)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "on 2 x cpu" in trained.stderr
     _check_rl_steps(run)

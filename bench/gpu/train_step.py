@@ -1,7 +1,7 @@
 """One rank's GRPO train step on a Qwen3-shaped model with random weights: tokens per second and
 model FLOP utilisation against the datasheet's dense bf16 rate.
 
-The trainer's own step (`train._grpo_step`: FSDP2 over the one rank, bf16 compute with fp32
+The trainer's own step (`training.steps.grpo_step`: FSDP2 over the one rank, bf16 compute with fp32
 master weights, the fused GRPO loss, AdamW) runs on a fixed batch of random samples, half prompt
 and half completion; one warm-up step, then `--steps` timed ones. The FLOPs counted are the
 model's useful ones, 3 x the forward: the weight matrices over every token, causal attention over
@@ -22,11 +22,12 @@ import msgspec
 import numpy as np
 import torch
 
-from rlmtrain import parallel, train
+from rlmtrain import parallel
 from rlmtrain.algo import Sample, pack
 from rlmtrain.config import Config, ModelConfig
 from rlmtrain.model import build_model, preset
 from rlmtrain.optim import build_optimizer
+from rlmtrain.training.steps import grpo_step
 
 DATASHEET_BF16_DENSE_FLOPS = 989.4e12  # H100/H200 SXM
 
@@ -95,11 +96,11 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
-        train._grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
+        grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
         synchronize()
         began = time.perf_counter()
         for _ in range(options.steps):
-            train._grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
+            grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
         synchronize()
         seconds = (time.perf_counter() - began) / options.steps
         flops = useful_flops(preset(options.preset), batch) / seconds

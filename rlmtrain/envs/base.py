@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 import msgspec
 
 from rlmtrain.config import ConfigError
+from rlmtrain.run_folder import RunFolder
 
 if TYPE_CHECKING:
     from rlmtrain.config import Config
@@ -146,8 +147,6 @@ class Env:
         once, remade when the data settings change). SFT without `sft_path` but with a
         `train_path` plays the training tasks. A missing, unusable or empty source is a
         ConfigError naming its key; a malformed line stays a TaskFormatError."""
-        from rlmtrain.config import ConfigError
-
         data = config.data
         key = {"sft": "sft_path" if data.sft_path else "train_path", "rl": "train_path"}
         key = key.get(split, "eval_path")
@@ -166,7 +165,7 @@ class Env:
         data = config.data
         groups = {"sft": data.sft_groups, "rl": data.synth_groups, "eval": data.eval_groups}
         first = {"sft": 0, "rl": data.sft_groups, "eval": data.sft_groups + data.synth_groups}
-        out = Path(config.checkpoint.dir) / "data" / split
+        out = RunFolder.of(config).data(split)
         made = {
             "env": self.name,
             "seed": data.seed,

@@ -28,7 +28,6 @@ __all__ = [
     "CHATML_TEMPLATE",
     "tokenizer_files",
     "train_bpe",
-    "trained_tokenizer_dir",
 ]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -42,12 +41,6 @@ CHATML_TEMPLATE = (
 
 BPE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 """What a tokenizer folder written here holds (and what `tokenizer_files` lists)."""
-
-
-def trained_tokenizer_dir(checkpoint_dir: str | Path) -> Path:
-    """Where `rlmtrain train` keeps the BPE tokenizer it trained for a run (`model.tokenizer =
-    'bpe'`), and where `eval` and `rollout` look for it."""
-    return Path(checkpoint_dir) / "tokenizer"
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> HFTokenizer:

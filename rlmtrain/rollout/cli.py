@@ -22,6 +22,7 @@ from rlmtrain.config import Config, ConfigError, load_config, parse_args_and_ove
 from rlmtrain.devices import BackendUnavailable
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, write_groups
 from rlmtrain.rollout.metrics import occupancy_between
+from rlmtrain.run_folder import RunFolder
 
 __all__ = ["RolloutProgress", "cli", "load_tasks"]
 
@@ -40,9 +41,7 @@ def _with_trained_tokenizer(config: Config) -> Config:
     randomly initialised model then gets its vocabulary, as in training."""
     if config.model.tokenizer != "bpe":
         return config
-    from rlmtrain.model.bpe import trained_tokenizer_dir
-
-    folder = trained_tokenizer_dir(config.checkpoint.dir)
+    folder = RunFolder.of(config).tokenizer
     if not (folder / "tokenizer.json").is_file():
         raise ConfigError(
             f"model.tokenizer: 'bpe' is trained by `rlmtrain train` into {folder}, which has no "

@@ -1,0 +1,118 @@
+"""Where a run goes on from: the checkpoint `checkpoint.resume` continues, and the starting state
+of a run that has none.
+
+A resumed run must be the same run: its seed and its schedules (the LR schedule, the exploration
+bonus's and the tool credit's) are recorded in every checkpoint and checked against the config
+before anything is loaded, since the generators restored from the checkpoint would otherwise
+silently overrule the config, and a schedule changed midway is no longer the run's schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import msgspec
+import torch
+
+from rlmtrain import checkpointing
+from rlmtrain.config import Config
+from rlmtrain.model import CheckpointError
+from rlmtrain.run_folder import RunFolder
+
+log = logging.getLogger("rlmtrain.train")
+
+SCHEDULE_KEYS = (
+    "train.sft_steps",
+    "train.steps",
+    "train.sft_lr",
+    "train.lr",
+    "train.lr_schedule",
+    "train.warmup_steps",
+    "train.min_lr_ratio",
+    "algo.exploration_beta",
+    "algo.tool_credit_alpha",
+)
+"""Config keys the LR schedule, the exploration bonus's cosine schedule and the tool credit's
+alpha are functions of. Every checkpoint records them; a resume under other values is refused,
+since it would not continue the run's schedules but switch to others midway."""
+
+
+def schedules(cfg: Config) -> dict[str, float | int | str]:
+    values = {}
+    for key in SCHEDULE_KEYS:
+        section, name = key.split(".")
+        values[key] = getattr(getattr(cfg, section), name)
+    return values
+
+
+def _check_schedules(
+    checkpoint: Path, recorded: dict[str, float | int | str], wanted: dict[str, float | int | str]
+) -> None:
+    changed = [
+        f"{key}={recorded[key]!r} (the config says {wanted[key]!r})"
+        for key in SCHEDULE_KEYS
+        if key in recorded and recorded[key] != wanted[key]
+    ]
+    if changed:
+        raise CheckpointError(
+            f"{checkpoint}: its run's schedules follow {', '.join(changed)}; resume with the "
+            "checkpoint's values, or start a new run in another checkpoint.dir"
+        )
+
+
+def resume_point(cfg: Config, folder: RunFolder) -> Path | None:
+    """The checkpoint `checkpoint.resume` continues from; None for a fresh run (also when the
+    run has none yet). An incomplete or damaged newest one, or one whose schedules the config
+    would change, is a CheckpointError."""
+    if not cfg.checkpoint.resume:
+        earlier = checkpointing.names(folder.root)
+        if earlier:
+            # A new run's checkpoints would mix with these: pruning by step could delete the
+            # new run's and a later resume could pick the old run's.
+            raise CheckpointError(
+                f"{folder.checkpoints} holds an earlier run's checkpoints "
+                f"(newest {earlier[-1]}): --checkpoint.resume=true continues that run; to start "
+                "a new one, choose another checkpoint.dir or remove that folder"
+            )
+        return None
+    found = checkpointing.latest(folder.root)
+    if found is None:
+        log.info("checkpoint.resume: no checkpoint in %s yet, starting fresh", folder.root)
+        return None
+    recorded = checkpointing.trainer_state(found)
+    _check_schedules(found, recorded.schedules, schedules(cfg))
+    if recorded.seed != cfg.train.seed:
+        # The data order and every sample drawn follow the seed; the generators restored from
+        # the checkpoint would silently overrule the config's.
+        raise CheckpointError(
+            f"{found}: its run was seeded with train.seed={recorded.seed} (the config says "
+            f"{cfg.train.seed}); resume with the checkpoint's seed, or start a new run in "
+            "another checkpoint.dir"
+        )
+    return found
+
+
+def starting_state(
+    cfg: Config,
+    world_size: int,
+    resume_from: Path | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> checkpointing.TrainerState:
+    """The run's state at its start: a fresh run's first phase at step 0, or the state of the
+    checkpoint it resumes, whose model and optimizer are loaded into `model` and `optimizer`."""
+    fresh = checkpointing.TrainerState(
+        phase="sft" if cfg.train.sft_steps else "rl",
+        step=0,
+        lr=0.0,
+        seed=cfg.train.seed,
+        world_size=world_size,
+        schedules=schedules(cfg),
+    )
+    if resume_from is None:
+        return fresh
+    loaded = checkpointing.load(resume_from, model, optimizer)
+    log.info("resumed from %s: %s step %d", resume_from, loaded.phase, loaded.step)
+    # Checked equal by `resume_point`; recorded anew where an older checkpoint had none.
+    return msgspec.structs.replace(loaded, schedules=fresh.schedules)

@@ -1,0 +1,255 @@
+"""The RL phase: GRPO over rollout trees, step by step, then the final evaluation.
+
+One step: the step's `tasks_per_step` tasks are dealt over the ranks; each rank rolls out its
+share x G roots on its own engine (sampling seeded by the request's place in the tree), scores
+the roots and turns rewards into tree advantages and exact per-token weights over the global
+number of kept groups; the samples of every rank are gathered and re-dealt by tokens, and
+`algo.updates_per_batch` clipped-GRPO updates run through the fused loss; the new weights go to
+every engine by their Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from rlmtrain import checkpointing, parallel
+from rlmtrain.algo import build_samples, compute_advantages
+from rlmtrain.config import Config
+from rlmtrain.envs.base import Task
+from rlmtrain.evaluation import spawned
+from rlmtrain.model import Transformer
+from rlmtrain.optim import build_optimizer, lr_at, set_lr
+from rlmtrain.rewards.exploration import beta_schedule, diversity_bonus, explored_reward, tree_turns
+from rlmtrain.rewards.turn_signals import TurnSignals, step_totals
+from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rollout.engine import SamplingParams
+from rlmtrain.rollout.scheduler import Scheduler
+from rlmtrain.training.run import Run, mean_or_nan
+from rlmtrain.training.steps import DTYPES, grpo_step, pack_samples
+
+log = logging.getLogger("rlmtrain.train")
+T = TypeVar("T")
+
+
+async def rl_phase(run: Run) -> None:
+    """GRPO from where the run stands to `train.steps`, then the final evaluation."""
+    cfg = run.cfg
+    if not cfg.train.steps:
+        return
+    first = run.state.step
+    if first == 0:
+        # RL starts from optimizer state of its own. Adam's moments from SFT would go on
+        # pushing along SFT's gradients for tens of steps (momentum) and divide RL's far
+        # smaller gradients by SFT's second moments: measured on the default, RL then
+        # lowered held-out reward on one seed in three.
+        run.optimizer = build_optimizer(run.model, cfg)
+    reference = reference_policy(run.cfg, run.model, run.device, run.resume_from, first)
+    picks = task_batches(run.tasks.rl, cfg.train.tasks_per_step, cfg.train.seed)
+    for _ in range(first):
+        next(picks)
+    signals = TurnSignals(cfg)
+    try:
+        for step in range(first, cfg.train.steps):
+            lr = await rl_step(run, step, next(picks), signals, reference)
+            every = cfg.eval.every
+            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
+                await run.evaluate("rl", cfg.train.sft_steps + step + 1)
+            # After the step's evaluation: a run resumed from here has it on record and goes on
+            # from the generators as they were after it.
+            if run.due(step, cfg.train.steps):
+                run.checkpoint("rl", step + 1, lr, reference)
+    finally:
+        await signals.close()
+    # A run resumed after its last step (killed in the export) has it on record.
+    await run.evaluate_once("final", cfg.train.sft_steps + cfg.train.steps)
+
+
+async def rl_step(
+    run: Run,
+    step: int,
+    tasks: list[Task],
+    signals: TurnSignals,
+    reference: Transformer | None,
+) -> float:
+    """One GRPO step on `tasks` (the whole step's, dealt here over the ranks); its row goes to
+    the run log. Returns the step's learning rate."""
+    cfg, world = run.cfg, run.world
+    began = time.perf_counter()
+    lr = lr_at(cfg, "rl", step)
+    set_lr(run.optimizer, lr)
+    await run.sync()
+    # This rank's share of the step's tasks, all G roots of a task on one rank.
+    batch = tasks[world.rank :: world.size]
+    # Each request's seed comes from (this seed, trajectory id, turn): a rerun samples the
+    # same trees whatever order the engine batched them in, on any number of ranks.
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        seed=cfg.train.seed * 1_000_003 + step,
+    )
+    scheduler = Scheduler(run.engine, run.tokenizer, cfg.rollout, sampling=sampling)
+    groups = await scheduler.rollout(batch, run.env, cfg.rollout.n_samples) if batch else []
+    scores = await run.env.root_scores(batch, groups) if batch else []
+    rewards = with_exploration_bonus(groups, scores, cfg, step)
+    credit = await signals.credit(groups)
+    step_scores = await signals.steps(groups)
+    advantages, adv_stats = compute_advantages(
+        groups, rewards, cfg.algo, tool_credit=credit, step_rewards=step_totals(step_scores)
+    )
+    counts = parallel.all_sum(
+        torch.tensor(
+            [
+                len(advantages),
+                adv_stats.groups_dropped_uniform,
+                adv_stats.roots_unscored,
+                *signals.local_sums(step_scores),
+            ],
+            dtype=torch.float64,
+        )
+    )
+    kept, dropped, unscored = (int(c) for c in counts[:3].tolist())
+    # Every weight divides by the global count of kept groups: docs/algorithm.md §4's
+    # objective for the whole batch, of which each rank holds a share.
+    local = build_samples(groups, advantages, cfg.algo, num_groups=max(1, kept))
+    flat_local = [r for rs in scores for r in rs if r is not None]
+    shares = parallel.all_gather((local, flat_local))
+    samples = [sample for share, _ in shares for sample in share]
+    flat = [r for _, rewards_of_rank in shares for r in rewards_of_rank]
+    row: dict[str, Any] = {
+        "phase": "rl",
+        "step": step,
+        "lr": lr,
+        "reward_mean": mean_or_nan(flat),
+        "groups_kept": kept,
+        "groups_dropped_uniform": dropped,
+        "roots_unscored": unscored,
+        **rollout_row(scheduler, groups),
+        **signals.row(counts[3:].tolist()),
+    }
+    if samples:
+        train_began = time.perf_counter()
+        packed = pack_samples(samples, cfg, world.size)
+        await run.sync.release()
+        row.update(
+            grpo_step(run.model, run.optimizer, packed, cfg, run.device, reference, rank=world.rank)
+        )
+        row["train_s"] = time.perf_counter() - train_began
+        run.sync.stale()
+        sync_began = time.perf_counter()
+        await run.sync()
+        row["sync_s"] = time.perf_counter() - sync_began
+    row["seconds"] = time.perf_counter() - began
+    run.runlog.step(row)
+    run.runlog.samples("rl", step, groups, scores)
+    run.runlog.histograms(
+        "rl",
+        step,
+        reward=flat,
+        advantage=[float(a) for sample in samples for a in sample.advantages],
+        response_length=[
+            len(turn.completion_ids)
+            for group in groups
+            for trajectory in group.trajectories
+            for turn in trajectory.turns
+        ],
+    )
+    if step % cfg.logging.every == 0 or step == cfg.train.steps - 1:
+        log.info(
+            "rl %3d  reward %.3f  groups %d/%d  loss %s  tokens %d  rollout %.1f s  "
+            "step %.1f s  finish %s",
+            step,
+            row["reward_mean"],
+            kept,
+            kept + dropped,
+            f"{row['loss']:.4f}" if "loss" in row else "-",
+            row.get("tokens", 0),
+            row["rollout_s"],
+            row["seconds"],
+            row["finish_reasons"],
+        )
+    return lr
+
+
+def reference_policy(
+    cfg: Config, model: Transformer, device: torch.device, resume_from: Path | None, step: int
+) -> Transformer | None:
+    """The k3 KL's anchor: the policy where RL started (after SFT), frozen and sharded like it;
+    a run resumed inside RL reads the one its checkpoint saved."""
+    if cfg.algo.kl_beta <= 0:
+        return None
+    reference = parallel.shard(_uninitialised_like(model), device, DTYPES[cfg.model.dtype])
+    if resume_from is not None and step > 0:
+        checkpointing.load_frozen(resume_from, "reference", reference)
+    else:
+        set_model_state_dict(reference, get_model_state_dict(model))
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+def _uninitialised_like(model: Transformer) -> Transformer:
+    """A model of `model`'s shape whose weights are left unset (built on the meta device and
+    given storage only): for a copy whose weights are loaded next, where a default init of a
+    large model would cost minutes for nothing."""
+    with torch.device("meta"):
+        skeleton = Transformer(
+            model.args,
+            attention=model.attention,
+            activation_checkpointing=model.activation_checkpointing,
+        )
+    return skeleton.to_empty(device="cpu")
+
+
+def with_exploration_bonus(
+    groups: list[RolloutGroup], scores: list[list[float | None]], cfg: Config, step: int
+) -> list[list[float | None]]:
+    """R_n = r + beta_n * b * 1[r = 1] (docs/algorithm.md §3), b the tree's tool diversity,
+    beta_n the cosine schedule over the RL steps; the scores unchanged when the bonus is off."""
+    if cfg.algo.exploration_beta <= 0:
+        return scores
+    beta = beta_schedule(step, cfg.train.steps, cfg.algo.exploration_beta)
+    return [
+        [
+            explored_reward(r, diversity_bonus(tree_turns(group, root)), beta)
+            for r, root in zip(rs, group.roots, strict=True)
+        ]
+        for group, rs in zip(groups, scores, strict=True)
+    ]
+
+
+def rollout_row(scheduler: Scheduler, groups: list[RolloutGroup]) -> dict[str, Any]:
+    m = scheduler.metrics
+    roots = [root for group in groups for root in group.roots]
+    if m is None:  # this rank drew no task this step (fewer tasks than ranks)
+        return {"rollout_s": 0.0, "generated_tokens": 0, "finish_reasons": {}, "spawn_rate": 0.0}
+    return {
+        "rollout_s": m.wall_s,
+        "generated_tokens": m.generated_tokens,
+        "engine_tokens_per_s": m.tokens_per_s,
+        "engine_occupancy": m.engine_occupancy,
+        "finish_reasons": m.finish_reasons,
+        "children_per_root": m.children_per_root_mean,
+        "spawn_rate": mean_or_nan(spawned(root) for root in roots),
+    }
+
+
+def task_batches(items: list[T], size: int, seed: int) -> Iterator[list[T]]:
+    """`size` items per step, endlessly: a window sliding over a shuffled order (wrapping at the
+    end), reshuffled every len(items) // size steps by a generator of its own, so the k-th
+    step's tasks depend on the seed alone (a resumed run skips k and is back in place)."""
+    shuffle = random.Random(f"rl/{seed}").shuffle
+    order = list(range(len(items)))
+    per_pass = max(1, len(order) // size)
+    for step in itertools.count():
+        if step % per_pass == 0:
+            shuffle(order)
+        start = (step * size) % len(order)
+        yield [items[order[(start + i) % len(order)]] for i in range(min(size, len(order)))]

@@ -1,0 +1,205 @@
+"""The run object: what the phases of one training run share, and what they do to it alike
+(evaluate the held-out tasks, save a checkpoint, keep the engine's weights current, export).
+
+`startup.start_run` makes it; `sft.sft_phase` and `rl.rl_phase` take it whole, so a phase's
+signature is its own settings, not the run's twelve parts.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import msgspec
+import torch
+
+from rlmtrain import checkpointing, parallel
+from rlmtrain.config import Config
+from rlmtrain.envs.base import Env, Task
+from rlmtrain.evaluation import evaluate
+from rlmtrain.model import Transformer, save_hf
+from rlmtrain.model.bpe import tokenizer_files
+from rlmtrain.model.hf import hf_named
+from rlmtrain.model.tokenizer import Tokenizer
+from rlmtrain.rollout.engine import Engine
+from rlmtrain.run_folder import RunFolder
+from rlmtrain.runlog import RunLog
+from rlmtrain.training.steps import DTYPES
+
+log = logging.getLogger("rlmtrain.train")
+
+
+class TaskSets(NamedTuple):
+    """The env's three disjoint task sets (`Env.split_tasks`)."""
+
+    sft: list[Task]
+    rl: list[Task]
+    held_out: list[Task]
+
+
+class EngineSync:
+    """Sends the policy's weights to the engine when they changed since the last send: every
+    rank streams the parameters, each gathered whole from the shards as its engine takes it
+    (`parallel.full_parameters`, the ranks in lockstep), into its own engine.
+
+    Colocated (`rollout.colocate`), it also lends the GPU to the trainer: `release` puts vLLM
+    to sleep before a train step, at level 2 (weights and KV cache freed, nothing copied to the
+    host: the sync resends every weight, and each vLLM worker checks that none is missing), and
+    the next call wakes it in two phases, the weights, then the sync, then the KV cache, so the
+    buckets in transit never share the GPU with a KV cache. Requests wait while it sleeps.
+    """
+
+    def __init__(self, engine: Engine, model: torch.nn.Module, *, colocate: bool) -> None:
+        self._engine = engine
+        self._model = model
+        self._colocate = colocate
+        self._current = False
+        self._asleep = False
+
+    def stale(self) -> None:
+        self._current = False
+
+    async def release(self) -> None:
+        if self._colocate and not self._asleep:
+            await self._engine.sleep(level=2)
+            self._asleep = True
+            self._current = False
+
+    async def __call__(self) -> None:
+        if self._asleep:
+            await self._engine.wake(("weights",))
+        if not self._current:
+            await self._engine.update_weights(hf_named(parallel.full_parameters(self._model)))
+            self._current = True
+        if self._asleep:
+            await self._engine.wake(("kv_cache",))
+            self._asleep = False
+
+
+@dataclass(eq=False)
+class Run:
+    """One training run's parts. `state` is where the run stands (phase, step), advanced by the
+    phases; `optimizer` is replaced when RL starts with moments of its own."""
+
+    cfg: Config
+    world: parallel.World
+    device: torch.device
+    folder: RunFolder
+    env: Env
+    tasks: TaskSets
+    tokenizer: Tokenizer
+    tokenizer_dir: Path | None
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    state: checkpointing.TrainerState
+    resume_from: Path | None
+    engine: Engine
+    sync: EngineSync
+    runlog: RunLog
+
+    async def evaluate(self, phase: str, step: int) -> None:
+        """The held-out tasks on the current policy (rank 0 evaluates; every rank waits)."""
+        if not self.tasks.held_out:
+            return
+        await self.sync()
+        if self.world.is_main:
+            report = await evaluate(
+                self.cfg,
+                self.model,
+                self.tokenizer,
+                self.env,
+                self.tasks.held_out,
+                engine=self.engine,
+                phase=phase,
+                step=step,
+            )
+            self.runlog.eval(report)
+            log.info(
+                "eval %-5s step %3d  reward %s  spawn rate %s  children/root %.2f  "
+                "(%d tasks, %.0f s)",
+                phase,
+                step,
+                _number(report["reward_mean"]),
+                _percent(report["spawn_rate"]),
+                report["children_per_root"],
+                report["tasks"],
+                report["seconds"],
+            )
+        parallel.barrier()
+
+    async def evaluate_once(self, phase: str, step: int) -> None:
+        """`evaluate`, unless the run has this phase's evaluation on record (a resumed run).
+        Rank 0 keeps the records; every rank must agree, as evaluation ends at a barrier."""
+        if not parallel.broadcast(self.runlog.evaluated(phase)):
+            await self.evaluate(phase, step)
+
+    def checkpoint(
+        self, phase: str, step: int, lr: float, reference: Transformer | None = None
+    ) -> None:
+        done = msgspec.structs.replace(self.state, phase=phase, step=step, lr=lr)
+        frozen = {"reference": reference} if reference is not None else None
+        out = checkpointing.save(
+            self.folder.root,
+            self.model,
+            self.optimizer,
+            done,
+            keep=self.cfg.checkpoint.keep,
+            frozen=frozen,
+        )
+        log.info("checkpoint %s", out)
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether step `step` of a phase of `steps` ends in a checkpoint: every N, and the
+        phase's last, so a run killed after a phase never has to do any of it again."""
+        every = self.cfg.checkpoint.every
+        return bool(every) and ((step + 1) % every == 0 or step + 1 == steps)
+
+    def export(self) -> Path:
+        """The model as a Hugging Face checkpoint in `model.dtype`, with the tokenizer files it
+        was trained with: the whole state gathered from the shards, written by rank 0."""
+        return export(self.model, self.cfg, self.tokenizer, self.tokenizer_dir, self.folder.final)
+
+    async def close(self) -> None:
+        self.runlog.close()
+        await self.engine.close()
+
+
+def export(
+    model: Transformer,
+    cfg: Config,
+    tokenizer: Tokenizer,
+    tokenizer_dir: Path | None,
+    out: Path,
+) -> Path:
+    """`model` (sharded or not) written to `out` as `Run.export` does."""
+    state = parallel.full_state(model)
+    if parallel.rank() == 0:
+        files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
+        generation = None
+        if not any(f.name == "generation_config.json" for f in files):
+            generation = {"eos_token_id": list(tokenizer.stop_ids)}
+        save_hf(
+            model,
+            out,
+            state=state,
+            dtype=DTYPES[cfg.model.dtype],
+            generation=generation,
+            extra_files=files,
+        )
+    parallel.barrier()
+    return out
+
+
+def mean_or_nan(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.3f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.0%}"

@@ -1,0 +1,191 @@
+"""A run's start: everything the phases need, checked and made in the order that loses nothing.
+
+Checks that need no work come first (the judge served, the run folder writable, the checkpoint
+to resume from sound), then the data (synthesised by rank 0, read by the others), the tokenizer,
+the model sharded over the ranks with its optimizer and state, the engine and the run log.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+import torch
+
+from rlmtrain import parallel
+from rlmtrain.config import Config, ConfigError
+from rlmtrain.envs.base import Env, Task, check_env_name, get_env
+from rlmtrain.model import PRESETS, build_model
+from rlmtrain.model.bpe import BPE_FILES, train_bpe
+from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
+from rlmtrain.optim import build_optimizer
+from rlmtrain.resume import resume_point, starting_state
+from rlmtrain.rewards.chat_client import check_served
+from rlmtrain.rollout.engines import build_engine
+from rlmtrain.run_folder import RunFolder
+from rlmtrain.runlog import RunLog
+from rlmtrain.training.run import EngineSync, Run, TaskSets
+from rlmtrain.training.steps import DTYPES
+
+log = logging.getLogger("rlmtrain.train")
+T = TypeVar("T")
+
+
+def refuse_unwired(cfg: Config, device: torch.device) -> None:
+    """Settings this run cannot carry out on `device`, refused before anything starts."""
+    if not cfg.model.hf_dir and cfg.model.preset not in PRESETS:
+        raise ConfigError(
+            f"model.preset: unknown preset {cfg.model.preset!r}; known: {', '.join(PRESETS)}"
+        )
+    check_env_name(cfg.data.env)
+    if cfg.rollout.colocate and device.type != "cuda":
+        raise ConfigError(
+            "rollout.colocate: vLLM's sleep mode frees GPU memory; this run trains on "
+            f"{device.type} (set it false)"
+        )
+    if cfg.rollout.engine == "sim":
+        raise ConfigError(
+            "rollout.engine: 'sim' samples pseudo-random tokens, not the policy; train with "
+            "'native' or 'vllm'"
+        )
+
+
+async def start_run(cfg: Config, world: parallel.World, device: torch.device) -> Run:
+    check_served(cfg.judge)  # before the run writes anything
+    folder = RunFolder.of(cfg).make()
+    resume_from = resume_point(cfg, folder)
+
+    env = get_env(cfg.data.env, cfg)
+    # Rank 0 synthesises the data and trains the tokenizer; the others then read its files.
+    tasks = on_main_first(world, lambda: task_sets(cfg, env))
+    log.info(
+        "data: %s, %d SFT / %d RL / %d held-out tasks",
+        cfg.data.env,
+        len(tasks.sft),
+        len(tasks.rl),
+        len(tasks.held_out),
+    )
+    training_tasks = [*tasks.sft, *tasks.rl]
+    resuming = resume_from is not None
+    cfg, tokenizer, tokenizer_dir = on_main_first(
+        world, lambda: run_tokenizer(cfg, env, training_tasks, folder, world, resuming=resuming)
+    )
+
+    policy = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
+    if tokenizer.vocab_size > policy.args.vocab_size:
+        raise ConfigError(
+            f"model.tokenizer: vocabulary of {tokenizer.vocab_size} does not fit the model's "
+            f"{policy.args.vocab_size} embeddings"
+        )
+    model = parallel.shard(policy, device, DTYPES[cfg.model.dtype])
+    optimizer = build_optimizer(model, cfg)
+    log.info(
+        "model: %s, %.2fM parameters, vocabulary %d, on %d x %s (%s compute, fp32 masters)",
+        cfg.model.hf_dir or f"preset {cfg.model.preset}",
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        model.args.vocab_size,
+        world.size,
+        device.type,
+        cfg.model.dtype,
+    )
+    state = starting_state(cfg, world.size, resume_from, model, optimizer)
+
+    # The engine serves its own copy of the policy, kept in step through update_weights by HF
+    # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
+    # Either engine starts from the config's model and receives the policy at the first sync,
+    # before any rollout or evaluation.
+    engine = build_engine(cfg, tokenizer, device=device)
+    try:
+        runlog = RunLog(cfg, folder.root, rank0=world.is_main)
+    except BaseException:
+        await engine.close()  # vLLM's engine processes would outlive the trainer
+        raise
+    if resuming:
+        runlog.resume_after(state.phase, state.step)
+    else:
+        runlog.start_fresh()
+    return Run(
+        cfg=cfg,
+        world=world,
+        device=device,
+        folder=folder,
+        env=env,
+        tasks=tasks,
+        tokenizer=tokenizer,
+        tokenizer_dir=tokenizer_dir,
+        model=model,
+        optimizer=optimizer,
+        state=state,
+        resume_from=resume_from,
+        engine=engine,
+        sync=EngineSync(engine, model, colocate=cfg.rollout.colocate),
+        runlog=runlog,
+    )
+
+
+def on_main_first(world: parallel.World, make: Callable[[], T]) -> T:
+    """`make()` on rank 0, then on the others once it is done: for steps that write shared
+    files (data synthesis, tokenizer training) which the others then only read."""
+    if world.is_main:
+        made = make()
+        parallel.barrier()
+        return made
+    parallel.barrier()
+    return make()
+
+
+def task_sets(cfg: Config, env: Env) -> TaskSets:
+    sft = env.split_tasks(cfg, "sft") if cfg.train.sft_steps else []
+    rl = env.split_tasks(cfg, "rl") if cfg.train.steps else []
+    held_out = env.split_tasks(cfg, "eval") if cfg.eval.every else []
+    if cfg.eval.tasks:
+        held_out = held_out[: cfg.eval.tasks]
+    return TaskSets(sft, rl, held_out)
+
+
+def run_tokenizer(
+    cfg: Config,
+    env: Env,
+    tasks: list[Task],
+    folder: RunFolder,
+    world: parallel.World,
+    *,
+    resuming: bool = False,
+) -> tuple[Config, Tokenizer, Path | None]:
+    """The run's tokenizer and the config that names it: 'bpe' is trained (by rank 0; the
+    others load it) on the run's own training text (never the held-out split's) into the run
+    folder's tokenizer/, and a randomly initialised model then gets exactly that many embedding
+    rows unless model.vocab_size says. A resumed run reads the tokenizer its checkpoints were
+    trained with: retrained on changed data or settings, its ids would no longer match the
+    weights."""
+    if cfg.model.tokenizer != "bpe":
+        tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.hf_dir)
+        named = Path(cfg.model.tokenizer or cfg.model.hf_dir)
+        return cfg, tokenizer, named if cfg.model.tokenizer != "byte" else None
+    trained = folder.tokenizer
+    if resuming:
+        if not (trained / BPE_FILES[0]).is_file():
+            raise ConfigError(
+                f"checkpoint.resume: {trained} holds no tokenizer; the run's checkpoints cannot "
+                "be read without the ids they were trained on"
+            )
+        tokenizer = load_tokenizer(str(trained))
+    elif world.is_main:
+        began = time.perf_counter()
+        tokenizer = train_bpe(env.vocabulary_texts(tasks), cfg.model.bpe_vocab_size, trained)
+        log.info(
+            "tokenizer: BPE of %d ids trained in %.1f s (%s)",
+            tokenizer.vocab_size,
+            time.perf_counter() - began,
+            trained,
+        )
+    else:
+        tokenizer = load_tokenizer(str(trained))
+    model = msgspec.structs.replace(
+        cfg.model, tokenizer=str(trained), vocab_size=cfg.model.vocab_size or tokenizer.vocab_size
+    )
+    return msgspec.structs.replace(cfg, model=model), tokenizer, trained
