@@ -137,7 +137,8 @@ def _run(config: Config, checkpoint: Path) -> dict[str, Any]:
     config = msgspec.structs.replace(
         config, model=msgspec.structs.replace(config.model, hf_dir=str(checkpoint))
     )
-    return uvloop.run(evaluate(config, model, tokenizer, env, tasks, progress=True))
+    report = uvloop.run(evaluate(config, model, tokenizer, env, tasks, progress=True))
+    return {"phase": "eval", "step": 0, **report}
 
 
 def cli(argv: list[str]) -> int:

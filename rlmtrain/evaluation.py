@@ -263,13 +263,10 @@ async def evaluate(
     tasks: Sequence[Any],
     *,
     engine: Engine | None = None,
-    phase: str = "eval",
-    step: int = 0,
-    pass_threshold: float = DEFAULT_PASS_THRESHOLD,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Roll out `tasks` (the first `eval.tasks` when > 0), `eval.samples` trees each, seeded by
-    `eval.seed`; score the roots with `env`; return `summarize(...)` with `phase` and `step`.
+    `eval.seed`; score the roots with `env`; return `summarize(...)`.
 
     engine: a running engine already serving `model`'s weights (the training run's; `model` is
     then not read); None = a fresh one from `build_engine(cfg, tokenizer)`, loaded with
@@ -302,7 +299,7 @@ async def evaluate(
         scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
         bar = None
         if progress:
-            from rlmtrain.rollout.cli import RolloutProgress
+            from rlmtrain.rollout.progress import RolloutProgress
 
             bar = RolloutProgress(len(tasks) * samples, engine)
             scheduler.on_tree_done = bar.tree_done
@@ -315,17 +312,15 @@ async def evaluate(
         if owned:
             await engine.close()
     scores = await env.root_scores(tasks, groups)
-    report = summarize(
+    return summarize(
         tasks,
         groups,
         scores,
         samples=samples,
         seconds=time.perf_counter() - began,
-        pass_threshold=pass_threshold,
         tools=env.tool_names(),
         pass_metric=env.pass_metric,
     )
-    return {"phase": phase, "step": step, **report}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ import msgspec
 
 from rlmtrain.config import Config, ConfigError, load_config, parse_args_and_overrides
 from rlmtrain.devices import BackendUnavailable
-from rlmtrain.rlm.records import RolloutGroup, Trajectory, write_groups
-from rlmtrain.rollout.metrics import occupancy_between
+from rlmtrain.rlm.records import RolloutGroup, write_groups
+from rlmtrain.rollout.progress import RolloutProgress
 from rlmtrain.run_folder import RunFolder
 
 __all__ = ["RolloutProgress", "cli", "load_tasks"]
@@ -53,32 +52,6 @@ def _with_trained_tokenizer(config: Config) -> Config:
 
         model = msgspec.structs.replace(model, vocab_size=load_tokenizer(str(folder)).vocab_size)
     return msgspec.structs.replace(config, model=model)
-
-
-class RolloutProgress:
-    """A tqdm bar over trees; its postfix reads the engine's counters."""
-
-    def __init__(self, total: int, engine: Any) -> None:
-        from tqdm import tqdm
-
-        self.engine = engine
-        # A copy: engines hand out their live counters.
-        self.start = msgspec.structs.replace(engine.stats())
-        self.began = time.perf_counter()
-        self.bar = tqdm(total=total, desc="rollout", unit="tree", file=sys.stderr)
-
-    def tree_done(self, root: Trajectory) -> None:
-        stats = self.engine.stats()
-        elapsed = time.perf_counter() - self.began
-        occupancy, _ = occupancy_between(self.start, stats)
-        self.bar.set_postfix(
-            tok_s=f"{(stats.generated_tokens - self.start.generated_tokens) / elapsed:.0f}",
-            occupancy=f"{occupancy:.0%}",
-        )
-        self.bar.update()
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 async def _rollout(config: Config, tasks: list[Any], env: Any, out: Path) -> str:

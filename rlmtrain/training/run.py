@@ -105,16 +105,11 @@ class Run:
             return
         await self.sync()
         if self.world.is_main:
+            held_out = self.tasks.held_out
             report = await evaluate(
-                self.cfg,
-                self.model,
-                self.tokenizer,
-                self.env,
-                self.tasks.held_out,
-                engine=self.engine,
-                phase=phase,
-                step=step,
+                self.cfg, self.model, self.tokenizer, self.env, held_out, engine=self.engine
             )
+            report = {"phase": phase, "step": step, **report}
             self.runlog.eval(report)
             log.info(
                 "eval %-5s step %3d  reward %s  spawn rate %s  children/root %.2f  "
