@@ -41,7 +41,7 @@ def _run(seed: int, run_dir: Path, config: str = "configs/tiny-cpu.toml", *overr
         [
             sys.executable,
             "-m",
-            "rlmtrain.cli",
+            "rlmtrain",
             "train",
             "--config",
             config,

@@ -12,7 +12,6 @@ it and exits with code 2.
 
 from __future__ import annotations
 
-import argparse
 import tomllib
 import typing
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rlmtrain.errors import UserError
 from rlmtrain.preflight import preflight
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "load_config",
-    "parse_args_and_overrides",
+    "split_overrides",
     "to_toml",
 ]
 
@@ -46,7 +46,7 @@ SEED_MAX = 2**32 - 1
 """The largest seed every generator a run seeds takes (numpy's is 32-bit)."""
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad run file or override; the message is one line naming the key and the file."""
 
 
@@ -470,17 +470,10 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return _validate(raw, source)
 
 
-def parse_args_and_overrides(
-    parser: argparse.ArgumentParser, argv: list[str] | None
-) -> tuple[argparse.Namespace, list[str]]:
-    """`parser`'s arguments, and the `--section.key=value` config overrides beside them; any
-    other unknown argument is the parser's error (exit 2)."""
-    args, rest = parser.parse_known_args(argv)
-    overrides = [a for a in rest if a.startswith("--") and "." in a.split("=", 1)[0]]
-    unknown = [a for a in rest if a not in overrides]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args, overrides
+def split_overrides(arguments: list[str]) -> tuple[list[str], list[str]]:
+    """The `--section.key=value` config overrides among `arguments`, and the rest."""
+    overrides = [a for a in arguments if a.startswith("--") and "." in a.split("=", 1)[0]]
+    return overrides, [a for a in arguments if a not in overrides]
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "overrides") -> None:

@@ -12,6 +12,8 @@ import logging
 
 import torch
 
+from rlmtrain.errors import UserError
+
 __all__ = [
     "HAS_CUDA",
     "HAS_FLASH_ATTN",
@@ -29,7 +31,7 @@ HAS_FLASH_ATTN: bool = HAS_CUDA and importlib.util.find_spec("flash_attn") is no
 HAS_VLLM: bool = importlib.util.find_spec("vllm") is not None
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(UserError, RuntimeError):
     """An explicitly requested backend cannot run here."""
 
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rlmtrain.cli", *args],
+        [sys.executable, "-m", "rlmtrain", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -360,7 +360,7 @@ def eval_args(run_dir: Path, *extra: str) -> list[str]:
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rlmtrain.cli", *args],
+        [sys.executable, "-m", "rlmtrain", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -450,21 +450,24 @@ def test_bad_checkpoint_is_one_line(run_dir, capsys, name, content, needle) -> N
     assert needle in line and str(run_dir / "final") in line, line
 
 
-def test_missing_heldout_split_tells_what_to_do(run_dir, capsys) -> None:
+def test_missing_heldout_file_is_one_line(run_dir, capsys) -> None:
     args = [a for a in eval_args(run_dir) if not a.startswith("--data.eval_path")]
-    assert rlmtrain_main(args) == 2
-    [line] = capsys.readouterr().err.strip().splitlines()
-    assert str(run_dir / "data" / "eval" / "tasks.jsonl") in line
-    assert "rlmtrain train" in line and "data.eval_path" in line
     missing = run_dir / "none.jsonl"
     assert rlmtrain_main([*args, f"--data.eval_path={missing}"]) == 2
-    assert f"data.eval_path: {missing} not found" in capsys.readouterr().err
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rlmtrain eval: error: data.eval_path:") and str(missing) in line, line
 
 
-def test_default_checkpoint_is_final(run_dir, capsys) -> None:
+def test_default_checkpoint_is_final_else_the_configs_model(run_dir, capsys) -> None:
+    """Without --checkpoint: the run's final/, and where the run has none yet, the config's own
+    starting model (the zero-shot figures), said on stderr."""
+    assert rlmtrain_main(eval_args(run_dir)) == 0
+    assert "holds no checkpoint" not in capsys.readouterr().err
     shutil.rmtree(run_dir / "final")
-    assert rlmtrain_main(eval_args(run_dir)) == 2
-    assert f"{run_dir / 'final'}: checkpoint folder not found" in capsys.readouterr().err
+    assert rlmtrain_main(eval_args(run_dir)) == 0
+    captured = capsys.readouterr()
+    assert f"{run_dir / 'final'} holds no checkpoint" in captured.err
+    assert json.loads(captured.out.strip().splitlines()[-1])["roots"] > 0
 
 
 def test_checkpoint_tokenizer_is_used_and_checked(run_dir, capsys) -> None:

@@ -134,7 +134,7 @@ def _train(config: str, run: Path, *overrides: str) -> dict:
     """`rlmtrain train --config config` into `run`, one RL step; that step's metrics row."""
     result = subprocess.run(
         [
-            *(sys.executable, "-m", "rlmtrain.cli", "train", "--config", config),
+            *(sys.executable, "-m", "rlmtrain", "train", "--config", config),
             *(f"--checkpoint.dir={run}", "--train.steps=1", "--eval.every=0"),
             *("--rollout.n_samples=2", "--judge.max_retries=0", "--logging.progress=false"),
             *overrides,

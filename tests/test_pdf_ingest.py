@@ -7,8 +7,9 @@ import shutil
 import pytest
 from fpdf import FPDF
 
+from rlmtrain.cli import main
 from rlmtrain.envs.evidence import EvidenceEnv
-from rlmtrain.envs.pdf import clean_pages, cli, find_abstract, parse_pdf, read_corpus
+from rlmtrain.envs.pdf import clean_pages, find_abstract, parse_pdf, read_corpus
 from rlmtrain.envs.synth import synthesize
 
 
@@ -128,7 +129,10 @@ def test_cli_skips_bad_files_and_ingests_the_rest(tmp_path, capsys):
     _bad_files(folder)
     (folder / ".hidden.pdf").write_bytes(b"ignored")
     out = tmp_path / "corpus.jsonl"
-    assert cli([str(folder), "--out", str(out), "--workers", "2", "--no-progress"]) == 0
+    assert (
+        main(["data", "ingest", str(folder), "--out", str(out), "--workers", "2", "--no-progress"])
+        == 0
+    )
     report = capsys.readouterr().out
     assert "ingested 1 of 6 files" in report and "skipped 5:" in report
     reasons = {
@@ -149,7 +153,17 @@ def test_cli_skips_bad_files_and_ingests_the_rest(tmp_path, capsys):
 
 def test_cli_bad_folder_is_exit_code_2(tmp_path, capsys):
     assert (
-        cli([str(tmp_path / "missing"), "--out", str(tmp_path / "c.jsonl"), "--no-progress"]) == 2
+        main(
+            [
+                "data",
+                "ingest",
+                str(tmp_path / "missing"),
+                "--out",
+                str(tmp_path / "c.jsonl"),
+                "--no-progress",
+            ]
+        )
+        == 2
     )
     assert "PDF folder not found" in capsys.readouterr().err
 
@@ -161,7 +175,7 @@ def test_synth_pdfs_round_trip_through_the_cli(tmp_path, capsys):
     shutil.copytree(tmp_path / "synth" / "pdfs", folder)
     _bad_files(folder)
     out = tmp_path / "corpus.jsonl"
-    assert cli([str(folder), "--out", str(out), "--no-progress"]) == 0
+    assert main(["data", "ingest", str(folder), "--out", str(out), "--no-progress"]) == 0
     assert "skipped 5:" in capsys.readouterr().out
     corpus = read_corpus(out)
     tasks = EvidenceEnv().load_tasks(tmp_path / "synth" / "tasks.jsonl")
@@ -180,5 +194,5 @@ def test_ingest_recurses_and_names_papers_by_stem(tmp_path, name):
     path.parent.mkdir(parents=True)
     _pdf(path, BODY)
     out = tmp_path / "c.jsonl"
-    assert cli([str(tmp_path / "in"), "--out", str(out), "--no-progress"]) == 0
+    assert main(["data", "ingest", str(tmp_path / "in"), "--out", str(out), "--no-progress"]) == 0
     assert list(read_corpus(out)) == [path.stem]

@@ -8,10 +8,11 @@ import msgspec
 import pypdfium2 as pdfium
 import pytest
 
+from rlmtrain.cli import main
 from rlmtrain.envs.base import read_tasks
 from rlmtrain.envs.evidence import EvidenceTask
 from rlmtrain.envs.pdf import read_corpus
-from rlmtrain.envs.synth import cli, locate_span, synthesize
+from rlmtrain.envs.synth import locate_span, synthesize
 
 GROUPS = 8
 
@@ -100,16 +101,31 @@ def test_locate_span_tolerates_noise_inside_but_not_far_apart():
 
 
 def test_cli(tmp_path, capsys):
-    assert cli(["--out", str(tmp_path), "--groups", "2", "--seed", "5", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "synth",
+                "--out",
+                str(tmp_path),
+                "--groups",
+                "2",
+                "--seed",
+                "5",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     report = capsys.readouterr().out
     assert report.startswith("wrote ") and "from 2 groups" in report
     assert (tmp_path / "corpus.jsonl").is_file() and (tmp_path / "tasks.jsonl").is_file()
     assert len(list((tmp_path / "pdfs").glob("*.pdf"))) == len(
         read_corpus(tmp_path / "corpus.jsonl")
     )
-    assert cli(["--out", str(tmp_path), "--groups", "0"]) == 2
+    assert main(["data", "synth", "--out", str(tmp_path), "--groups", "0"]) == 2
     assert "--groups must be >= 1" in capsys.readouterr().err
     a_file = tmp_path / "corpus.jsonl"
-    assert cli(["--out", str(a_file), "--groups", "1", "--no-progress"]) == 2
+    assert main(["data", "synth", "--out", str(a_file), "--groups", "1", "--no-progress"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("rlmtrain data synth: error: --out") and str(a_file) in line, line

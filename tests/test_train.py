@@ -40,7 +40,7 @@ def run_train(*overrides: str) -> subprocess.CompletedProcess:
         [
             sys.executable,
             "-m",
-            "rlmtrain.cli",
+            "rlmtrain",
             "train",
             "--config",
             "configs/tiny-cpu.toml",

@@ -47,7 +47,7 @@ def _cli(command: str, run_dir: Path, *extra: str) -> subprocess.CompletedProces
         [
             sys.executable,
             "-m",
-            "rlmtrain.cli",
+            "rlmtrain",
             command,
             "--config",
             "configs/tiny-cpu.toml",

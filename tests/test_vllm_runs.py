@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GAP_TOLERANCE = 1e-4
 
 
-def cli(*args: str, head: tuple[str, ...] = ("-m", "rlmtrain.cli")) -> subprocess.CompletedProcess:
+def cli(*args: str, head: tuple[str, ...] = ("-m", "rlmtrain")) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *head, *args, "--config", "configs/tiny-cpu.toml"],
         cwd=ROOT,
@@ -107,7 +107,7 @@ def test_sigterm_stops_the_run_and_its_vllm_engine(tmp_path: Path) -> None:
     and closes its engine, so no vLLM process outlives it (before, the engine core and its
     worker were left orphaned, each polling a core)."""
     run = tmp_path / "run"
-    command = [sys.executable, "-m", "rlmtrain.cli", "train", "--config", "configs/tiny-cpu.toml"]
+    command = [sys.executable, "-m", "rlmtrain", "train", "--config", "configs/tiny-cpu.toml"]
     command += [*SHORT_TRAIN, "--train.sft_steps=100000", f"--checkpoint.dir={run}"]
     trainer = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 import msgspec
 
 from rlmtrain.config import ConfigError
+from rlmtrain.errors import UserError
 from rlmtrain.run_folder import RunFolder
 
 if TYPE_CHECKING:
@@ -213,7 +214,7 @@ def root_answers(group: RolloutGroup) -> list[str | None]:
 # ---------------------------------------------------------------------------------------------
 
 
-class TaskFormatError(ValueError):
+class TaskFormatError(UserError, ValueError):
     """A malformed task line; the message names the file, the line and the field."""
 
 

@@ -31,7 +31,6 @@ pool (pdfium is not thread-safe, and parsing is CPU-bound).
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -42,12 +41,14 @@ from pathlib import Path
 
 import msgspec
 
+from rlmtrain.errors import UserError
+
 __all__ = [
     "IngestSummary",
     "Paper",
     "SkippedFile",
     "clean_pages",
-    "cli",
+    "IngestError",
     "find_abstract",
     "ingest_dir",
     "ingest_files",
@@ -338,6 +339,10 @@ def ingest_files(
     return papers, skipped
 
 
+class IngestError(UserError, ValueError):
+    """A PDF folder that cannot be ingested as a whole (missing, or two files of one paper id)."""
+
+
 def ingest_dir(
     pdf_dir: str | Path, out: str | Path, *, workers: int | None = None, progress: bool = False
 ) -> IngestSummary:
@@ -348,7 +353,7 @@ def ingest_dir(
     """
     pdf_dir = Path(pdf_dir)
     if not pdf_dir.is_dir():
-        raise FileNotFoundError(f"PDF folder not found: {pdf_dir}")
+        raise IngestError(f"PDF folder not found: {pdf_dir}")
     paths = sorted(
         p
         for p in pdf_dir.rglob("*")
@@ -357,7 +362,7 @@ def ingest_dir(
     papers, skipped = ingest_files(paths, workers=workers, progress=progress)
     duplicate = [id_ for id_, n in Counter(p.id for p in papers).items() if n > 1]
     if duplicate:
-        raise ValueError(f"{pdf_dir}: several files share the paper id(s) {', '.join(duplicate)}")
+        raise IngestError(f"{pdf_dir}: several files share the paper id(s) {', '.join(duplicate)}")
     write_corpus(out, papers)
     return IngestSummary(papers=len(papers), skipped=skipped)
 
@@ -379,26 +384,3 @@ def read_corpus(path: str | Path) -> dict[str, Paper]:
     from rlmtrain.envs.base import read_tasks
 
     return {paper.id: paper for paper in read_tasks(path, Paper)}
-
-
-def cli(argv: list[str]) -> int:
-    """`rlmtrain data ingest PDF_DIR --out corpus.jsonl [--workers N]` (argv after 'ingest')."""
-    parser = argparse.ArgumentParser(
-        prog="rlmtrain data ingest", description="Parse a folder of PDFs into a corpus JSONL."
-    )
-    parser.add_argument("pdf_dir", help="folder of PDF files (searched recursively)")
-    parser.add_argument("--out", required=True, help="corpus JSONL to write")
-    parser.add_argument(
-        "--workers", type=int, default=None, help="parser processes (default: CPUs)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    args = parser.parse_args(argv)
-    try:
-        summary = ingest_dir(
-            args.pdf_dir, args.out, workers=args.workers, progress=not args.no_progress
-        )
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"rlmtrain data ingest: error: {exc}", file=sys.stderr)
-        return 2
-    print(summary.report())
-    return 0 if summary.papers or not summary.skipped else 1

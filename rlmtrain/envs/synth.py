@@ -29,7 +29,6 @@ queries do not depend on the worker that made them; PDFs carry a fixed creation 
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -43,7 +42,7 @@ from rlmtrain.envs.pdf import Paper, parse_pdf, write_corpus
 from rlmtrain.envs.synth_papers import paper_group
 from rlmtrain.envs.synth_render import render
 
-__all__ = ["SynthSummary", "cli", "locate_span", "synthesize"]
+__all__ = ["SynthSummary", "locate_span", "synthesize"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,42 +183,3 @@ def synthesize(
         lost_queries=sum(r.lost_spans for r in results),
         seconds=round(time.perf_counter() - began, 2),
     )
-
-
-def cli(argv: list[str]) -> int:
-    """`rlmtrain data synth --out DIR --groups N --seed S [--workers W]` (argv after 'synth')."""
-    parser = argparse.ArgumentParser(
-        prog="rlmtrain data synth",
-        description="Synthesise evidence-selection paper groups; render to PDF and parse back.",
-    )
-    parser.add_argument(
-        "--out", required=True, help="output folder (pdfs/, corpus.jsonl, tasks.jsonl)"
-    )
-    parser.add_argument("--groups", type=int, required=True, help="paper groups to make (>= 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed; same seed, same data")
-    parser.add_argument("--workers", type=int, default=None, help="processes (default: CPUs)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    args = parser.parse_args(argv)
-    if args.groups < 1:
-        print(
-            f"rlmtrain data synth: error: --groups must be >= 1, got {args.groups}", file=sys.stderr
-        )
-        return 2
-    try:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"rlmtrain data synth: error: --out {args.out}: {exc.strerror}", file=sys.stderr)
-        return 2
-    summary = synthesize(
-        args.out,
-        groups=args.groups,
-        seed=args.seed,
-        workers=args.workers,
-        progress=not args.no_progress,
-    )
-    print(
-        f"wrote {summary.papers} papers and {summary.tasks} tasks from {summary.groups} groups "
-        f"to {args.out} in {summary.seconds:.1f} s ({summary.lost_queries} queries dropped: "
-        "gold span not found in the parsed text)"
-    )
-    return 0

@@ -22,17 +22,17 @@ command prints it as one line and exits 2.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import importlib.metadata
 import io
 import struct
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from rlmtrain.errors import UserError
 
 __all__ = ["ImportRefused", "find_package_gguf", "import_gguf"]
 
@@ -48,7 +48,7 @@ _ROPE_FREQS = "rope_freqs.weight"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-class ImportRefused(ValueError):
+class ImportRefused(UserError, ValueError):
     """An input the import cannot use; the message is one line naming the file (or package)."""
 
 
@@ -273,30 +273,3 @@ def _write(model: Any, tokenizer: Any, generation: dict[str, Any], out: Path, dt
             tokenizer.save_pretrained(tokenizer_dir, save_jinja_files=False)
         files = [Path(tokenizer_dir) / name for name in _TOKENIZER_FILES]
         save_hf(model, out, dtype=getattr(torch, dtype), generation=generation, extra_files=files)
-
-
-# -- command line ------------------------------------------------------------------------------
-
-
-def cli(argv: list[str]) -> int:
-    """`rlmtrain model import-gguf (FILE | --from-package NAME) --out DIR [--dtype D]`."""
-    parser = argparse.ArgumentParser(
-        prog="rlmtrain model import-gguf",
-        description="Write a GGUF file as a Hugging Face folder that load_hf, vLLM and "
-        "transformers load (weights dequantized, tokenizer with its chat template).",
-    )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("file", nargs="?", help="the .gguf file")
-    source.add_argument(
-        "--from-package", metavar="NAME", help="the .gguf file an installed package ships"
-    )
-    parser.add_argument("--out", required=True, help="folder to write (absent or empty)")
-    parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="stored weight dtype")
-    args = parser.parse_args(argv)
-    try:
-        path = find_package_gguf(args.from_package) if args.from_package else Path(args.file)
-        import_gguf(path, args.out, dtype=args.dtype)
-    except ImportRefused as exc:
-        print(f"rlmtrain model import-gguf: error: {exc}", file=sys.stderr)
-        return 2
-    return 0

@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from rlmtrain.errors import UserError
 from rlmtrain.model.presets import ModelArgs, RopeScaling
 from rlmtrain.model.transformer import Transformer
 
@@ -53,7 +54,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 _TIED_HEAD = "lm_head.weight"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that does not match the model; the message names the tensor and the file."""
 
 

@@ -20,6 +20,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from rlmtrain.errors import UserError
+
 __all__ = [
     "ByteTokenizer",
     "Message",
@@ -31,7 +33,7 @@ __all__ = [
 Message = Mapping[str, Any]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """A missing or malformed tokenizer file, an unknown token, or an unrenderable chat."""
 
 

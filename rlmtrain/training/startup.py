@@ -189,3 +189,17 @@ def run_tokenizer(
         cfg.model, tokenizer=str(trained), vocab_size=cfg.model.vocab_size or tokenizer.vocab_size
     )
     return msgspec.structs.replace(cfg, model=model), tokenizer, trained
+
+
+def prepared_tokenizer(cfg: Config, env: Env) -> tuple[Config, Tokenizer]:
+    """The run's tokenizer for a command other than train (eval, rollout, data prepare): the
+    one train made when the run folder has it, else made as train makes it (a BPE on the
+    config's SFT and RL tasks, synthesised into the run folder where the config says), so the
+    command runs on a fresh folder and a later train on the same config finds the same ids."""
+    folder = RunFolder.of(cfg)
+    made = (folder.tokenizer / BPE_FILES[0]).is_file()
+    tasks = task_sets(cfg, env) if cfg.model.tokenizer == "bpe" and not made else None
+    training = [*tasks.sft, *tasks.rl] if tasks is not None else []
+    world = parallel.World()
+    cfg, tokenizer, _ = run_tokenizer(cfg, env, training, folder.make(), world, resuming=made)
+    return cfg, tokenizer

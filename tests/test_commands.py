@@ -1,0 +1,131 @@
+"""The front door: every command's bad input ends the same way, and the commands that read a run
+work on the embedded default in a fresh folder, before any `rlmtrain train`.
+
+Bad input (a config, a checkpoint, a PDF folder, a model file, ...) is a `UserError` wherever it
+is found, and `rlmtrain.cli.main` alone turns it into one line on stderr, `rlmtrain <command>:
+error: ...`, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from clocks import RUN_HANG_S
+
+from rlmtrain.cli import main
+from rlmtrain.commands import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = str(ROOT / "configs" / "tiny-cpu.toml")
+
+
+def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
+    """(argv, what the line must name) for each command's bad input."""
+    missing_config = str(tmp / "missing.toml")
+    return [
+        (["train", "--config", missing_config], missing_config),
+        (["eval", "--config", missing_config], missing_config),
+        (["rollout", "--config", missing_config, "--out", str(tmp / "t.jsonl")], missing_config),
+        (["data", "prepare", "--config", missing_config], missing_config),
+        (["config", "show", "--config", missing_config], missing_config),
+        (["train", "--config", DEFAULT, "--train.nosuch=1"], "train.nosuch"),
+        (["eval", "--config", DEFAULT, "--checkpoint", str(tmp / "no-model")], "no-model"),
+        (["data", "ingest", str(tmp / "no-pdfs"), "--out", str(tmp / "c.jsonl")], "no-pdfs"),
+        (["data", "synth", "--out", str(tmp / "s"), "--groups", "0"], "--groups"),
+        (["model", "import-gguf", str(tmp / "no.gguf"), "--out", str(tmp / "m")], "no.gguf"),
+    ]
+
+
+def test_every_command_is_in_the_bad_input_table(tmp_path):
+    covered = {
+        tuple(w for w in argv if not w.startswith("-"))[:2] for argv, _ in _bad_inputs(tmp_path)
+    }
+    for command in COMMANDS:
+        assert any(words[: len(command.words)] == command.words for words in covered), command
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_bad_input_is_one_line_and_exit_2_from_every_command(tmp_path, capsys, case):
+    argv, needle = _bad_inputs(tmp_path)[case]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    words = " ".join(w for w in argv[:2] if not w.startswith("-") and "/" not in w)
+    assert err[0].startswith(f"rlmtrain {words}: error: "), err[0]
+    assert needle in err[0], err[0]
+
+
+def test_only_the_front_door_reports_user_errors():
+    """No command catches bad input and prints it itself: one handler, one format."""
+    for path in sorted((ROOT / "rlmtrain").rglob("*.py")):
+        if path.name == "cli.py" and path.parent.name == "rlmtrain":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert ": error: " not in node.value, f"{path}: prints its own error line"
+            if isinstance(node, ast.ExceptHandler) and node.type is not None:
+                names = {n.id for n in ast.walk(node.type) if isinstance(n, ast.Name)}
+                assert "UserError" not in names, f"{path}:{node.lineno} catches UserError"
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rlmtrain", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_HANG_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+# The default config, made smaller where only the run time depends on it.
+SMALL = (
+    "--data.sft_groups=2",
+    "--data.synth_groups=1",
+    "--data.eval_groups=1",
+    "--rollout.max_turns=1",
+    "--rollout.max_new_tokens=8",
+    "--rollout.n_samples=2",
+)
+
+
+@pytest.mark.slow
+def test_data_prepare_rollout_and_eval_run_on_the_default_in_fresh_folders(tmp_path):
+    prepared = tmp_path / "prepared"
+    result = _run("data", "prepare", "--config", DEFAULT, f"--checkpoint.dir={prepared}", *SMALL)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (prepared / "tokenizer" / "tokenizer.json").is_file()
+    for split in ("sft", "rl", "eval"):
+        assert (prepared / "data" / split / "tasks.jsonl").is_file(), split
+        assert f"{prepared / 'data' / split / 'tasks.jsonl'}" in result.stdout
+
+    rolled = tmp_path / "rolled"
+    out = tmp_path / "trees.jsonl"
+    result = _run(
+        "rollout", "--config", DEFAULT, "--out", str(out), "--limit", "1",
+        f"--checkpoint.dir={rolled}", *SMALL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wrote 1 groups" in result.stdout and out.is_file()
+    # The BPE it made is the one train makes from the same config.
+    assert (rolled / "tokenizer" / "tokenizer.json").read_bytes() == (
+        prepared / "tokenizer" / "tokenizer.json"
+    ).read_bytes()
+
+    evaluated = tmp_path / "evaluated"
+    result = _run(
+        "eval", "--config", DEFAULT, "--tasks", "1", "--samples", "1",
+        f"--checkpoint.dir={evaluated}", *SMALL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "holds no checkpoint; evaluating the config's starting model" in result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["roots"] == 1 and report["phase"] == "eval"
