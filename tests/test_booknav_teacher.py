@@ -10,9 +10,10 @@ from test_judge import JudgeServer
 
 from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.booknav import BookNavEnv, synthetic_problems, write_synthetic
-from rlmtrain.envs.booknav_teacher import plan, prove, teach
+from rlmtrain.envs.booknav_teacher import plan, prove
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rewards.chat_client import JudgeConfig
+from rlmtrain.rollout.teaching import teach
 
 
 def test_teacher_solves_the_synthetic_problems(tmp_path):

@@ -10,9 +10,10 @@ from test_codenav import package  # noqa: F401  (fixture)
 
 from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.codenav import CodeNavEnv, generate_tasks
-from rlmtrain.envs.codenav_teacher import parse_question, teach
+from rlmtrain.envs.codenav_teacher import parse_question
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rollout.teaching import teach
 
 
 def solve(env, tasks) -> list[RolloutGroup]:

@@ -11,17 +11,18 @@ import pytest
 from rlmtrain.config import RolloutConfig
 from rlmtrain.envs.evidence import EvidenceEnv
 from rlmtrain.envs.evidence_teacher import (
+    TEACHER_LIMITS,
     child_plan,
     child_prompt,
     compact_root_plan,
     parse_query,
     reply,
     root_plan,
-    teach,
 )
 from rlmtrain.envs.synth import synthesize
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rlm.records import read_groups, write_groups
+from rlmtrain.rollout.teaching import teach
 
 MULTI_TASKS = 50
 
@@ -39,7 +40,7 @@ def test_teacher_on_50_multi_paper_tasks(env_and_tasks, tmp_path):
     env, tasks = env_and_tasks
     multi = [task for task in tasks if len(task.paper_ids) >= 2][:MULTI_TASKS]
     assert len(multi) == MULTI_TASKS
-    groups = asyncio.run(teach(env, multi, ByteTokenizer()))
+    groups = asyncio.run(teach(env, multi, ByteTokenizer(), TEACHER_LIMITS))
     scores = []
     for task, group in zip(multi, groups, strict=True):
         (root,) = group.roots
@@ -81,7 +82,7 @@ def test_teacher_single_paper_task_uses_no_children(env_and_tasks):
         paper_ids=[task.evidence[0].paper_id],
         evidence=[task.evidence[0]],
     )
-    (group,) = asyncio.run(teach(env, [single], ByteTokenizer()))
+    (group,) = asyncio.run(teach(env, [single], ByteTokenizer(), TEACHER_LIMITS))
     (root,) = group.trajectories
     assert root.finish_reason == "final" and root.children == []
     assert 5 <= len(root.turns) <= 7

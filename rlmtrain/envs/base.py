@@ -29,7 +29,7 @@ from rlmtrain.errors import UserError
 from rlmtrain.run_folder import RunFolder
 
 if TYPE_CHECKING:
-    from rlmtrain.config import Config
+    from rlmtrain.config import Config, RolloutConfig
     from rlmtrain.rlm.records import RolloutGroup
 
 __all__ = [
@@ -188,10 +188,14 @@ class Env:
         and what the tasks hold (envs add their documents and the code their teachers write)."""
         return [self.system_prompt(), *(task.query for task in tasks)]
 
-    async def teach(self, tasks: list[Task], tokenizer: Any, config: Config) -> list[RolloutGroup]:
-        """The scripted teacher's trees for `tasks` (SFT data, docs/algorithm.md §5), one group
-        each."""
-        raise ValueError(f"train.sft_steps: env '{self.name}' has no scripted teacher; set it to 0")
+    def teacher(self, rollout: RolloutConfig) -> Callable[[str], str]:
+        """The scripted teacher of the SFT warm-up (docs/algorithm.md §5): a reply that reads a
+        rendered prompt as a policy would and answers with the turn's block of the expert's
+        plan (`envs.teacher`), played through the scheduler by `rollout.teaching.teach`. A
+        ConfigError where `rollout`'s limits cannot carry its trees, or the env has none."""
+        raise ConfigError(
+            f"train.sft_steps: env '{self.name}' has no scripted teacher; set it to 0"
+        )
 
 
 Split = Literal["sft", "rl", "eval"]

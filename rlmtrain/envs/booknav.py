@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from rlmtrain.config import Config, ConfigError
+from rlmtrain.config import Config, ConfigError, RolloutConfig
 from rlmtrain.envs.base import (
     Env,
     RewardResult,
@@ -122,12 +122,11 @@ class BookNavEnv(Env):
     def tool_modules(self) -> list[str]:
         return ["rlmtrain.envs.booknav_tools"]
 
-    async def teach(self, tasks: list[Task], tokenizer: Any, config: Config) -> list[RolloutGroup]:
-        """The scripted teacher's trees (`booknav_teacher`), played through the
-        scheduler within the run's rollout limits."""
-        from rlmtrain.envs.booknav_teacher import teach
+    def teacher(self, rollout: RolloutConfig) -> Callable[[str], str]:
+        """The scripted teacher's reply (`booknav_teacher`), for `rollout.teaching.teach`."""
+        from rlmtrain.envs.booknav_teacher import teacher
 
-        return await teach(self, tasks, tokenizer, config.rollout)
+        return teacher(rollout)
 
     def load_tasks(self, path: str | Path) -> list[BookTask]:
         return read_tasks_beside(path, BookTask, "book")

@@ -15,15 +15,12 @@ the SFT data).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from rlmtrain.config import RolloutConfig
-from rlmtrain.envs.base import Env, Task
-from rlmtrain.envs.teacher import plan_reply, play
-from rlmtrain.rlm.agent import ChatTokenizer
-from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.envs.teacher import plan_reply
 
-__all__ = ["plan", "prove", "teach"]
+__all__ = ["plan", "prove", "teacher"]
 
 WHO = "booknav teacher"
 
@@ -127,8 +124,6 @@ def plan(problem: str) -> list[str]:
     ]
 
 
-async def teach(
-    env: Env, tasks: Sequence[Task], tokenizer: ChatTokenizer, config: RolloutConfig
-) -> list[RolloutGroup]:
-    """Teacher trees for BookNavigator tasks, one root each, under `config`'s limits."""
-    return await play(env, tasks, tokenizer, config, plan_reply(plan, WHO), WHO)
+def teacher(config: RolloutConfig) -> Callable[[str], str]:
+    """The teacher's reply: its plan for the prompt's query, a turn's block at a time."""
+    return plan_reply(plan, WHO)

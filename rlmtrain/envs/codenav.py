@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from rlmtrain.config import Config
+from rlmtrain.config import Config, RolloutConfig
 from rlmtrain.envs.base import (
     Env,
     RewardResult,
@@ -170,12 +171,11 @@ class CodeNavEnv(Env):
     def tool_modules(self) -> list[str]:
         return ["rlmtrain.envs.codenav_tools"]
 
-    async def teach(self, tasks: list[Task], tokenizer: Any, config: Config) -> list[RolloutGroup]:
-        """The scripted teacher's trees (`codenav_teacher`), played through the
-        scheduler within the run's rollout limits."""
-        from rlmtrain.envs.codenav_teacher import teach
+    def teacher(self, rollout: RolloutConfig) -> Callable[[str], str]:
+        """The scripted teacher's reply (`codenav_teacher`), for `rollout.teaching.teach`."""
+        from rlmtrain.envs.codenav_teacher import teacher
 
-        return await teach(self, tasks, tokenizer, config.rollout)
+        return teacher(rollout)
 
     def load_tasks(self, path: str | Path) -> list[CodeTask]:
         return read_tasks_beside(path, CodeTask, "codebase")

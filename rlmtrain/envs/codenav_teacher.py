@@ -12,15 +12,12 @@ task generator would ask; a question in any other form raises ValueError.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable
 
 from rlmtrain.config import RolloutConfig
-from rlmtrain.envs.base import Env, Task
-from rlmtrain.envs.teacher import plan_reply, play
-from rlmtrain.rlm.agent import ChatTokenizer
-from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.envs.teacher import plan_reply
 
-__all__ = ["parse_question", "plan", "teach"]
+__all__ = ["parse_question", "plan", "teacher"]
 
 _QUESTION = re.compile(
     r"Where does the function '(?P<caller>[^']+)' of the file '(?P<path>[^']+)' "
@@ -49,9 +46,6 @@ def plan(query: str) -> list[str]:
     ]
 
 
-async def teach(
-    env: Env, tasks: Sequence[Task], tokenizer: ChatTokenizer, config: RolloutConfig
-) -> list[RolloutGroup]:
-    """Teacher trees for code-navigation tasks, one root each, under `config`'s limits."""
-    who = "codenav teacher"
-    return await play(env, tasks, tokenizer, config, plan_reply(plan, who), who)
+def teacher(config: RolloutConfig) -> Callable[[str], str]:
+    """The teacher's reply: its plan for the prompt's query, a turn's block at a time."""
+    return plan_reply(plan, "codenav teacher")

@@ -19,15 +19,15 @@ scores 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from rlmtrain.envs.base import Env, RewardResult, Task, read_tasks, register_env, root_answers
+from rlmtrain.envs.base import Env, RewardResult, read_tasks, register_env, root_answers
+from rlmtrain.envs.evidence_tasks import EvidenceSpan, EvidenceTask
 
 if TYPE_CHECKING:
-    from rlmtrain.config import Config
+    from rlmtrain.config import Config, RolloutConfig
     from rlmtrain.envs.pdf import Paper
     from rlmtrain.rewards.judge import RubricJudge
     from rlmtrain.rlm.records import RolloutGroup
@@ -35,24 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["COMPACT_STRATEGY", "EVIDENCE_STRATEGY", "EvidenceEnv", "EvidenceSpan", "EvidenceTask"]
 
 CORPUS_FILE = "corpus.jsonl"
-
-
-class EvidenceSpan(msgspec.Struct, kw_only=True):
-    paper_id: str
-    start: int
-    """Character offset into the paper's parsed text."""
-    end: int
-    text: str
-    """text == paper.text[start:end]."""
-
-
-class EvidenceTask(Task, kw_only=True):
-    paper_ids: list[str]
-    """The papers put in the context, in this order."""
-    evidence: list[EvidenceSpan]
-    """The gold passages; a query may draw on several papers, not necessarily all."""
-    kind: str = ""
-    """The query family (datasets, baselines, results, limitation) for per-kind metrics."""
 
 
 EVIDENCE_STRATEGY = """\
@@ -175,13 +157,11 @@ class EvidenceEnv(Env):
         )
         return Path(out_dir) / "tasks.jsonl"
 
-    async def teach(
-        self, tasks: list[EvidenceTask], tokenizer: Any, config: Config
-    ) -> list[RolloutGroup]:
-        """The scripted teacher's trees, played through the scheduler (`evidence_teacher`)."""
-        from rlmtrain.envs.evidence_teacher import teach
+    def teacher(self, rollout: RolloutConfig) -> Callable[[str], str]:
+        """The scripted teacher's reply (`evidence_teacher`), for `rollout.teaching.teach`."""
+        from rlmtrain.envs.evidence_teacher import teacher
 
-        return await teach(self, tasks, tokenizer, config.rollout)
+        return teacher(rollout)
 
     def context(self, task: EvidenceTask) -> dict[str, dict[str, Any]]:
         out = {}

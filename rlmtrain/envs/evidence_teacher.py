@@ -33,19 +33,18 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from rlmtrain.config import ConfigError, RolloutConfig
-from rlmtrain.envs.evidence import EvidenceEnv, EvidenceTask
-from rlmtrain.envs.teacher import fenced_code, last_user_message, play, query_and_turn
+from rlmtrain.envs.evidence_tasks import EvidenceTask
+from rlmtrain.envs.teacher import fenced_code, last_user_message, query_and_turn
 from rlmtrain.rlm.prompts import PromptStyle
-from rlmtrain.rlm.records import RolloutGroup
 
 if TYPE_CHECKING:
-    from rlmtrain.model.tokenizer import Tokenizer
+    pass
 
 log = logging.getLogger("rlmtrain")
 
@@ -61,7 +60,8 @@ __all__ = [
     "parse_query",
     "reply",
     "root_plan",
-    "teach",
+    "teacher",
+    "TEACHER_LIMITS",
 ]
 
 
@@ -308,25 +308,18 @@ def reply(prompt_text: str, style: PromptStyle = "full") -> str:
     return fenced_code(blocks[index]) if index < len(blocks) else ""
 
 
-async def teach(
-    env: EvidenceEnv,
-    tasks: Sequence[EvidenceTask],
-    tokenizer: Tokenizer,
-    config: RolloutConfig | None = None,
-) -> list[RolloutGroup]:
-    """One teacher tree per task (root + children), in task order, played by the `Scheduler`
-    on a scripted engine (`teacher.play`): the same admission, limits, REPLs and records as an
-    RL rollout.
+TEACHER_LIMITS = RolloutConfig(
+    max_turns=5, max_depth=1, max_prompt_tokens=32768, max_new_tokens=2048
+)
+"""Limits under which the full-style teacher's trees finish with the byte tokenizer, whose
+prompts are ~4x longer than a BPE one's (the full system prompt plus one list_papers output
+needs about 10k byte tokens); unfinished teacher trajectories are most often "context"."""
 
-    `config` must allow children with a REPL (max_depth >= 1) and the plans' turns (5 in the
-    full style, 2 in the compact one) and its turns in max_new_tokens; default: the full style,
-    5 turns, 32k-token prompts, 2k-token turns. Unfinished trajectories are most often
-    "context": the byte tokenizer makes prompts ~4x longer than a BPE one, and the full system
-    prompt plus one list_papers output needs about 10k byte tokens.
-    """
-    config = config or RolloutConfig(
-        max_turns=5, max_depth=1, max_prompt_tokens=32768, max_new_tokens=2048
-    )
+
+def teacher(config: RolloutConfig) -> Callable[[str], str]:
+    """The teacher's reply under `config`'s prompt style; a ConfigError where `config` cannot
+    carry its trees: children need a REPL (max_depth >= 1) and the plans need their turns (5
+    in the full style, 2 in the compact one)."""
     needed = 2 if config.prompt_style == "compact" else 5
     if config.max_depth < 1 or config.max_turns < needed:
         raise ConfigError(
@@ -335,6 +328,4 @@ async def teach(
             f"max_turns={config.max_turns}"
         )
     style = config.prompt_style
-    return await play(
-        env, tasks, tokenizer, config, lambda text: reply(text, style), "evidence teacher"
-    )
+    return lambda text: reply(text, style)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import msgspec
 
-from rlmtrain.envs.evidence import EvidenceSpan, EvidenceTask
+from rlmtrain.envs.evidence_tasks import EvidenceSpan, EvidenceTask
 from rlmtrain.envs.pdf import Paper, parse_pdf, write_corpus
 from rlmtrain.envs.synth_papers import paper_group
 from rlmtrain.envs.synth_render import render

@@ -1,8 +1,8 @@
-"""Scripted teachers play through the real scheduler, as RL rollouts do.
+"""What every env's scripted teacher is made of: a reply that reads a rendered prompt and answers.
 
 Cold-start SFT data (docs/algorithm.md §5) must be the records a policy leaves, so every env's
-teacher plays through exactly the path RL takes: the `Scheduler`, its REPLs, limits and
-records, with a scripted engine (`SimEngine` over a `reply`) in place of the model. A reply
+teacher is played through exactly the path RL takes (`rollout.teaching.teach`: the `Scheduler`,
+its REPLs, limits and records, with a scripted engine over the reply). A reply
 reads the prompt as a policy would, from its last user message alone (the query and the turn
 number), and answers with that turn's block of the expert's plan, fenced; past the end of its
 plan it says nothing, so a plan that failed in the REPL cannot pass for a finished one.
@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
-from rlmtrain.config import RolloutConfig
-from rlmtrain.rlm.records import RolloutGroup
-
-__all__ = ["fenced_code", "last_user_message", "plan_reply", "play", "query_and_turn"]
+__all__ = ["fenced_code", "last_user_message", "plan_reply", "query_and_turn"]
 
 log = logging.getLogger("rlmtrain")
 
@@ -57,41 +52,3 @@ def plan_reply(plan_of: Callable[[str], list[str]], who: str) -> Callable[[str],
         return fenced_code(blocks[turn]) if turn < len(blocks) else ""
 
     return reply
-
-
-async def play(
-    env: Any,
-    tasks: Sequence[Any],
-    tokenizer: Any,
-    config: RolloutConfig,
-    reply: Callable[[str], str],
-    who: str,
-) -> list[RolloutGroup]:
-    """One teacher tree per task, in task order: `reply` as the engine behind the `Scheduler`
-    under `config`'s limits. Trajectories that did not finish are logged (by reason)."""
-    from rlmtrain.rollout.engines.sim import SimEngine, text_script
-    from rlmtrain.rollout.scheduler import Scheduler
-
-    engine = SimEngine(
-        script=text_script(tokenizer, reply),
-        eos_id=tokenizer.eos_id,
-        max_batch_size=config.max_batch_size,
-        decode=tokenizer.decode,
-    )
-    try:
-        groups = await Scheduler(engine, tokenizer, config).rollout(list(tasks), env, 1)
-    finally:
-        await engine.close()
-    unfinished = Counter(
-        t.finish_reason for g in groups for t in g.trajectories if t.finish_reason != "final"
-    )
-    if unfinished:
-        log.warning(
-            "%s: %d of %d trajectories did not finish (%s); max_prompt_tokens=%d",
-            who,
-            sum(unfinished.values()),
-            sum(len(g.trajectories) for g in groups),
-            ", ".join(f"{reason}: {n}" for reason, n in unfinished.most_common()),
-            config.max_prompt_tokens,
-        )
-    return groups

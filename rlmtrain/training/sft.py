@@ -20,6 +20,7 @@ from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs.base import Env, Task
 from rlmtrain.model.tokenizer import Tokenizer
 from rlmtrain.optim import lr_at, set_lr
+from rlmtrain.rollout.teaching import teach
 from rlmtrain.training.run import Run, mean_or_nan
 from rlmtrain.training.steps import pack_samples, sft_step
 
@@ -74,7 +75,7 @@ async def teacher_samples(
     """The SFT samples: the env's scripted teacher plays `tasks` through the scheduler; trees
     with a REPL error or a zero score (the env's own reward) are dropped."""
     began = time.perf_counter()
-    groups = await env.teach(tasks, tokenizer, cfg)
+    groups = await teach(env, tasks, tokenizer, cfg.rollout)
     scores = {}
     for group, values in zip(groups, await env.root_scores(tasks, groups), strict=True):
         for root, value in zip(group.roots, values, strict=True):
