@@ -21,6 +21,7 @@ import torch
 
 from rlmtrain import devices
 from rlmtrain.model import KVCache, ModelArgs, Transformer, preset
+from rlmtrain.model.kv_cache import decode, prefill
 
 DEVICE = "cuda" if devices.HAS_CUDA else "cpu"
 DTYPE = torch.bfloat16 if devices.HAS_CUDA else torch.float32
@@ -147,11 +148,11 @@ def test_decode_step(benchmark):
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=gen) for n in prompt_lengths]
     seq_ids = list(range(len(prompts)))
-    model.prefill(cache, seq_ids, prompts)
+    prefill(model, cache, seq_ids, prompts)
     tokens = torch.zeros(len(seq_ids), dtype=torch.long, device=DEVICE)
 
     def step():
-        model.decode(cache, seq_ids, tokens)
+        decode(model, cache, seq_ids, tokens)
         synchronize()
 
     benchmark.pedantic(step, rounds=5, iterations=1, warmup_rounds=1)

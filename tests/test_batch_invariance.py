@@ -21,6 +21,7 @@ from small_model import ARGS, make_model
 
 from rlmtrain.config import ModelConfig
 from rlmtrain.model import KVCache, build_model
+from rlmtrain.model.kv_cache import decode, prefill
 from rlmtrain.model.paged_attention import PagedQueries, invariant_rows
 from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.engines.native import NativeEngine
@@ -57,13 +58,13 @@ def hidden_by_position(model, order, prompt_lengths, *, warm_prefix: bool = Fals
     out: dict[int, dict[int, torch.Tensor]] = {i: {} for i in order}
     with torch.inference_mode():
         if warm_prefix:  # another sequence computed the shared prefix's pages first
-            model.prefill(cache, [99], [seqs[0][:37]])
-        hidden = model.prefill(cache, list(order), [seqs[i][: prompt_lengths[i]] for i in order])
+            prefill(model, cache, [99], [seqs[0][:37]])
+        hidden = prefill(model, cache, list(order), [seqs[i][: prompt_lengths[i]] for i in order])
         for row, i in enumerate(order):
             out[i][prompt_lengths[i] - 1] = hidden[row]
         at = {i: prompt_lengths[i] for i in order}
         while live := [i for i in order if at[i] < len(seqs[i])]:
-            hidden = model.decode(cache, live, torch.stack([seqs[i][at[i]] for i in live]))
+            hidden = decode(model, cache, live, torch.stack([seqs[i][at[i]] for i in live]))
             for row, i in enumerate(live):
                 out[i][at[i]] = hidden[row]
                 at[i] += 1
@@ -105,7 +106,7 @@ def test_decode_behind_a_shared_prefix_runs_as_a_cascade(small, one_thread) -> N
     cache = KVCache.for_model(small, 2048, page_size=PAGE, attention_chunk_tokens=CHUNK)
     seqs = sequences()
     with torch.inference_mode():
-        small.prefill(cache, [0, 1, 2, 3], [s[:40] for s in seqs])
+        prefill(small, cache, [0, 1, 2, 3], [s[:40] for s in seqs])
     spans = [(cache.pages(i), i, 39, 40) for i in range(4)]
     assert PagedQueries(cache, spans, heads_per_kv=2).cascaded_rows == 4
     assert PagedQueries(cache, spans[:1], heads_per_kv=2).cascaded_rows == 0

@@ -11,6 +11,7 @@ import torch
 from small_model import ARGS, make_model
 
 from rlmtrain.model import CacheFull, KVCache, Transformer
+from rlmtrain.model.kv_cache import decode, prefill
 
 PAGE = 8
 
@@ -52,7 +53,7 @@ def cached_generation(model, cache, prompts, budgets, log):
                 waiting.remove(seq)
                 reserved[seq] = need
         if admit:
-            hidden = model.prefill(cache, admit, [prompts[s] for s in admit])
+            hidden = prefill(model, cache, admit, [prompts[s] for s in admit])
             for seq, token in zip(admit, greedy(hidden, model).tolist(), strict=True):
                 active[seq] = [token]
                 log.append((step, "admit", seq, cache.pages(seq)))
@@ -60,7 +61,7 @@ def cached_generation(model, cache, prompts, budgets, log):
         if decoding:
             last = torch.tensor([active[s][-1] for s in decoding])
             for seq, token in zip(
-                decoding, greedy(model.decode(cache, decoding, last), model).tolist(), strict=True
+                decoding, greedy(decode(model, cache, decoding, last), model).tolist(), strict=True
             ):
                 active[seq].append(token)
         for seq in [s for s in active if len(active[s]) == budgets[s]]:
@@ -107,9 +108,9 @@ def test_decode_handles_ragged_lengths_in_one_batch():
     model = make_model()
     prompts = [torch.tensor([5]), torch.arange(20), torch.arange(40, 49)]
     cache = KVCache.for_model(model, capacity_tokens=128, page_size=PAGE)
-    model.prefill(cache, [10, 11, 12], prompts)
+    prefill(model, cache, [10, 11, 12], prompts)
     tokens = torch.tensor([7, 8, 9])
-    hidden = model.decode(cache, [12, 10, 11], tokens)
+    hidden = decode(model, cache, [12, 10, 11], tokens)
     for row, (seq, prompt) in enumerate(
         zip([12, 10, 11], [prompts[2], prompts[0], prompts[1]], strict=True)
     ):
@@ -123,31 +124,31 @@ def test_decode_handles_ragged_lengths_in_one_batch():
 def test_full_cache_raises_without_changing_state():
     model = make_model()
     cache = KVCache.for_model(model, capacity_tokens=32, page_size=PAGE)
-    model.prefill(cache, [0], [torch.arange(24)])
+    prefill(model, cache, [0], [torch.arange(24)])
     # Tokens unlike sequence 0's: arange(9) would share its first page and fit.
     with pytest.raises(CacheFull, match="needs 2 pages, 1 are free"):
-        model.prefill(cache, [1], [torch.arange(100, 109)])
+        prefill(model, cache, [1], [torch.arange(100, 109)])
     assert 1 not in cache and cache.free_tokens == 8
-    model.prefill(cache, [1], [torch.arange(8)])
+    prefill(model, cache, [1], [torch.arange(8)])
     with pytest.raises(CacheFull, match="decode step needs 1 new pages, 0 are free"):
-        model.decode(cache, [1], torch.tensor([3]))
+        decode(model, cache, [1], torch.tensor([3]))
     assert cache.length(1) == 8
     cache.evict(0)
     assert cache.free_tokens == 24
-    model.decode(cache, [1], torch.tensor([3]))
+    decode(model, cache, [1], torch.tensor([3]))
     assert cache.length(1) == 9 and len(cache.pages(1)) == 2
 
 
 def test_cache_misuse_is_named():
     model = make_model()
     cache = KVCache.for_model(model, capacity_tokens=64, page_size=PAGE)
-    model.prefill(cache, [4], [torch.arange(3)])
+    prefill(model, cache, [4], [torch.arange(3)])
     with pytest.raises(ValueError, match="sequence 4 is already"):
-        model.prefill(cache, [4], [torch.arange(3)])
+        prefill(model, cache, [4], [torch.arange(3)])
     with pytest.raises(ValueError, match="sequence 5 is already"):
-        model.prefill(cache, [5, 5], [torch.arange(3), torch.arange(2)])
+        prefill(model, cache, [5, 5], [torch.arange(3), torch.arange(2)])
     assert 5 not in cache and cache.free_tokens == 56
     with pytest.raises(KeyError, match="sequence 9 is not"):
-        model.decode(cache, [9], torch.tensor([1]))
+        decode(model, cache, [9], torch.tensor([1]))
     with pytest.raises(ValueError, match="one token per seq_id"):
-        model.decode(cache, [4], torch.tensor([1, 2]))
+        decode(model, cache, [4], torch.tensor([1, 2]))

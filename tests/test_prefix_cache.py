@@ -19,6 +19,7 @@ from small_model import ARGS, make_model
 
 from rlmtrain.config import ModelConfig, load_config
 from rlmtrain.model import CacheFull, KVCache, Transformer, build_model, named_hf_tensors
+from rlmtrain.model.kv_cache import decode, prefill
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.engines import build_engine
@@ -49,7 +50,7 @@ def assert_matches_recompute(model, cache, histories: dict[int, torch.Tensor]) -
     """Decode one more token for each live sequence; its hidden equals the full forward."""
     seq_ids = sorted(histories)
     nxt = torch.tensor([(7 * s + 3) % ARGS.vocab_size for s in seq_ids])
-    hidden = model.decode(cache, seq_ids, nxt)
+    hidden = decode(model, cache, seq_ids, nxt)
     for row, seq in enumerate(seq_ids):
         histories[seq] = torch.cat([histories[seq], nxt[row : row + 1]])
         expected = full_forward_last(model, histories[seq])
@@ -63,8 +64,8 @@ def test_full_pages_are_shared_and_ref_counted(small):
     cache = KVCache.for_model(small, capacity_tokens=64, page_size=PAGE)
     a = tokens(1, 2, 3, [4, 5])  # three full pages and a partial one
     b = tokens(1, 2, 9, [6])  # same first two pages
-    small.prefill(cache, [0], [a])
-    small.prefill(cache, [1], [b])
+    prefill(small, cache, [0], [a])
+    prefill(small, cache, [1], [b])
     pa, pb = cache.pages(0), cache.pages(1)
     assert pb[:2] == pa[:2] and not set(pb[2:]) & set(pa)
     assert cache.cached_tokens(0) == 0 and cache.cached_tokens(1) == 2 * PAGE
@@ -77,8 +78,8 @@ def test_full_pages_are_shared_and_ref_counted(small):
 def test_a_whole_cached_prompt_still_computes_its_last_page(small):
     cache = KVCache.for_model(small, capacity_tokens=64, page_size=PAGE)
     prompt = tokens(1, 2, 3)  # exactly three full pages
-    small.prefill(cache, [0], [prompt])
-    hidden = small.prefill(cache, [1, 2], [prompt, prompt[: 2 * PAGE + 1]])
+    prefill(small, cache, [0], [prompt])
+    hidden = prefill(small, cache, [1, 2], [prompt, prompt[: 2 * PAGE + 1]])
     # The last token is recomputed for its logits, so the last full page is not shared ...
     assert cache.cached_tokens(1) == 2 * PAGE and cache.pages(1)[:2] == cache.pages(0)[:2]
     assert cache.pages(1)[2] != cache.pages(0)[2]
@@ -99,8 +100,8 @@ def test_digests_chain_the_prefix(small):
     assert len(da) == 3 and da[0] == dc[0]
     # Same page content after a different prefix: a different digest.
     assert da[1] != db[1] and da[2] != db[2] and da[2] != dc[2]
-    small.prefill(cache, [0], [a])
-    small.prefill(cache, [1, 2], [b, c])
+    prefill(small, cache, [0], [a])
+    prefill(small, cache, [1, 2], [b, c])
     assert cache.cached_tokens(1) == 0 and not set(cache.pages(1)) & set(cache.pages(0))
     assert cache.cached_tokens(2) == PAGE and cache.pages(2)[0] == cache.pages(0)[0]
     assert not set(cache.pages(2)[1:]) & set(cache.pages(0))
@@ -110,7 +111,7 @@ def test_digests_chain_the_prefix(small):
 def test_prompts_of_one_batch_share_what_an_earlier_one_computes(small):
     cache = KVCache.for_model(small, capacity_tokens=64, page_size=PAGE)
     prompts = [tokens(5, 6, [1, 2]), tokens(7, [3]), tokens(5, 6, 8, [9]), tokens(5, [4, 4])]
-    hidden = small.prefill(cache, [0, 1, 2, 3], prompts)
+    hidden = prefill(small, cache, [0, 1, 2, 3], prompts)
     assert [cache.cached_tokens(s) for s in range(4)] == [0, 0, 2 * PAGE, PAGE]
     assert cache.pages(2)[:2] == cache.pages(0)[:2] and cache.pages(3)[0] == cache.pages(0)[0]
     for row, ids in enumerate(prompts):
@@ -128,8 +129,8 @@ def test_evicting_any_subset_leaves_the_others_intact(small, evicted):
         s: torch.cat([prefix, torch.randint(0, ARGS.vocab_size, (2 + 3 * s,), generator=gen)])
         for s in range(4)
     }
-    small.prefill(cache, [0], [histories[0]])
-    small.prefill(cache, [1, 2, 3], [histories[s] for s in (1, 2, 3)])
+    prefill(small, cache, [0], [histories[0]])
+    prefill(small, cache, [1, 2, 3], [histories[s] for s in (1, 2, 3)])
     shared = cache.pages(0)[:3]
     assert all(cache.refcount(p) == 4 for p in shared)
     for seq in evicted:
@@ -140,7 +141,7 @@ def test_evicting_any_subset_leaves_the_others_intact(small, evicted):
     filler = [
         torch.randint(0, ARGS.vocab_size, (PAGE,), generator=gen) for _ in range(cache.free_pages)
     ]
-    small.prefill(cache, list(range(100, 100 + len(filler))), filler)
+    prefill(small, cache, list(range(100, 100 + len(filler))), filler)
     assert cache.free_pages == 0
     assert all(cache.refcount(p) == len(histories) for p in shared)
     for k in range(2):  # sharers keep decoding as the fillers leave
@@ -164,8 +165,8 @@ def test_decode_attends_each_groups_shared_pages_once_and_exactly(small):
         4: torch.cat([tokens(21), rand(2)]),
         5: rand(7),
     }
-    small.prefill(cache, [0, 3], [histories[0], histories[3]])
-    small.prefill(cache, [1, 2, 4, 5], [histories[s] for s in (1, 2, 4, 5)])
+    prefill(small, cache, [0, 3], [histories[0], histories[3]])
+    prefill(small, cache, [1, 2, 4, 5], [histories[s] for s in (1, 2, 4, 5)])
     for _ in range(PAGE + 1):  # across a page boundary
         assert_matches_recompute(small, cache, histories)
 
@@ -173,31 +174,31 @@ def test_decode_attends_each_groups_shared_pages_once_and_exactly(small):
 def test_unreferenced_cached_pages_are_reused_then_recycled_tail_first(small):
     cache = KVCache.for_model(small, capacity_tokens=32, page_size=PAGE)  # 8 pages
     prompt = tokens(1, 2, 3, [4])
-    small.prefill(cache, [0], [prompt])
+    prefill(small, cache, [0], [prompt])
     first = cache.pages(0)
     cache.evict(0)
     assert cache.free_pages == 8 and cache.cached_pages == 3
     assert all(cache.refcount(p) == 0 for p in first)
     # A reused prefix revives its cached pages, kept after its sequence left.
-    small.prefill(cache, [1], [prompt])
+    prefill(small, cache, [1], [prompt])
     assert cache.cached_tokens(1) == 3 * PAGE and cache.pages(1)[:3] == first[:3]
     cache.evict(1)
     # Pressure takes the never-used pages first (five), then cached ones, the prefix's tail first.
     filler = torch.arange(100, 100 + 5 * PAGE + 2)  # six pages, its last one partial
-    small.prefill(cache, [2], [filler])
+    prefill(small, cache, [2], [filler])
     assert first[2] in cache.pages(2) and not set(first[:2]) & set(cache.pages(2))
     assert cache.cached_pages == 2 + 5
     assert_matches_recompute(small, cache, {2: filler})
     cache.evict(2)
-    small.prefill(cache, [3], [prompt])
+    prefill(small, cache, [3], [prompt])
     assert cache.cached_tokens(3) == 2 * PAGE and cache.pages(3)[:2] == first[:2]
     assert_matches_recompute(small, cache, {3: prompt})
 
 
 def test_capacity_counts_cached_pages_as_free_and_revived_ones_as_taken(small):
     cache = KVCache.for_model(small, capacity_tokens=32, page_size=PAGE)  # 8 pages
-    small.prefill(cache, [0], [tokens(1, 2, 3, 4)])
-    small.prefill(cache, [1], [tokens(5, 6, 7, 8)])
+    prefill(small, cache, [0], [tokens(1, 2, 3, 4)])
+    prefill(small, cache, [1], [tokens(5, 6, 7, 8)])
     assert cache.free_pages == 0 and not cache.can_admit(1)
     cache.evict(0)
     assert cache.free_tokens == 4 * PAGE and cache.can_admit(4 * PAGE)
@@ -210,23 +211,23 @@ def test_capacity_counts_cached_pages_as_free_and_revived_ones_as_taken(small):
     assert live.add(tokens(5, 6, 7, [0]).tolist()) == 3 * PAGE and live.pages == 1
     refs = [cache.refcount(p) for p in range(8)]
     with pytest.raises(CacheFull, match="needs 6 pages, 4 are free"):
-        small.prefill(cache, [2, 3], [tokens(1, 2, 9, 9), tokens(1, 2, 3, 4)])
+        prefill(small, cache, [2, 3], [tokens(1, 2, 9, 9), tokens(1, 2, 3, 4)])
     assert 2 not in cache and 3 not in cache
     assert [cache.refcount(p) for p in range(8)] == refs and cache.free_pages == 4
-    small.prefill(cache, [2], [tokens(1, 2, 9, 9)])
+    prefill(small, cache, [2], [tokens(1, 2, 9, 9)])
     assert cache.free_pages == 0 and cache.cached_tokens(2) == 2 * PAGE
 
 
 def test_pages_filled_by_decode_are_shared(small):
     cache = KVCache.for_model(small, capacity_tokens=64, page_size=PAGE)
     prompt = tokens(1, [2, 3])
-    small.prefill(cache, [0], [prompt])
+    prefill(small, cache, [0], [prompt])
     generated = [5, 6, 7, 8, 9, 10]
     for token in generated:
-        small.decode(cache, [0], torch.tensor([token]))
+        decode(small, cache, [0], torch.tensor([token]))
     # prompt + generated fills three pages; the third was filled by decoding.
     follow_up = torch.cat([prompt, torch.tensor(generated), tokens([4])])
-    small.prefill(cache, [1], [follow_up])
+    prefill(small, cache, [1], [follow_up])
     assert cache.cached_tokens(1) == 3 * PAGE and cache.pages(1)[:3] == cache.pages(0)[:3]
     assert_matches_recompute(
         small, cache, {0: torch.cat([prompt, torch.tensor(generated)]), 1: follow_up}
@@ -236,22 +237,22 @@ def test_pages_filled_by_decode_are_shared(small):
 def test_reset_forgets_every_prefix(small):
     cache = KVCache.for_model(small, capacity_tokens=64, page_size=PAGE)
     prompt = tokens(1, 2, [3])
-    small.prefill(cache, [0], [prompt])
-    small.prefill(cache, [1], [tokens(4, 5, [6])])
+    prefill(small, cache, [0], [prompt])
+    prefill(small, cache, [1], [tokens(4, 5, [6])])
     cache.evict(1)
     cache.reset_prefix_cache()
     assert cache.cached_pages == 0 and cache.free_pages == 16 - 3
     for token in range(2 * PAGE):  # sequence 0 fills pages after the reset: none is registered
-        small.decode(cache, [0], torch.tensor([token]))
-    small.prefill(cache, [2], [prompt])
+        decode(small, cache, [0], torch.tensor([token]))
+    prefill(small, cache, [2], [prompt])
     assert cache.cached_tokens(2) == 0 and cache.cached_pages == 2  # sequence 2's own pages
 
 
 def test_without_prefix_caching_nothing_is_shared(small):
     cache = KVCache.for_model(small, capacity_tokens=64, page_size=PAGE, prefix_caching=False)
     prompt = tokens(1, 2, [3])
-    small.prefill(cache, [0, 1], [prompt, prompt])
-    small.prefill(cache, [2], [prompt])
+    prefill(small, cache, [0, 1], [prompt, prompt])
+    prefill(small, cache, [2], [prompt])
     assert [cache.cached_tokens(s) for s in range(3)] == [0, 0, 0]
     assert cache.cached_pages == 0 and len({*cache.pages(0), *cache.pages(1), *cache.pages(2)}) == 9
 

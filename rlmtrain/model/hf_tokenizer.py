@@ -27,7 +27,7 @@ import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from rlmtrain.model.tokenizer import Message, TokenizerError, check_messages
+from rlmtrain.model.chat import Message, TokenizerError, check_messages
 
 __all__ = ["HFTokenizer"]
 

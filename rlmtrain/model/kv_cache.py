@@ -39,7 +39,7 @@ that read the same pages of a chunk (a prompt's rows, or sequences behind a shar
 and history) in one product that reads those keys once. A row's hidden state is then the same
 bits whichever rows share its step and wherever its cached keys came from, which is what lets
 a run reproduce the engine's log-probs exactly.
-Gathers copy whole pages into one reused workspace (see `_gather`).
+Gathers copy whole pages into one reused workspace (see `gather`).
 
 Running out of pages raises `CacheFull` before anything changes; the caller evicts and retries.
 The continuous-batching policy (who to admit, whom to evict) belongs to the engine, not here.
@@ -395,7 +395,7 @@ class KVCache:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
         return as_tensor(positions), as_tensor(slots), as_tensor([p + 1 for p in positions]), filled
 
-    def _gather(self, layer: int, pages: Tensor, *, values: bool) -> Tensor:
+    def gather(self, layer: int, pages: Tensor, *, values: bool) -> Tensor:
         """Keys (or values) of `layer` in `pages[N]`, `[Hkv, N * page_size, D]` in fp32 (the
         attention's arithmetic, whatever the cache's dtype), written into a workspace that every
         call for the same side reuses: use them before the next call. Copying into a fresh tensor

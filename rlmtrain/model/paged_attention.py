@@ -38,13 +38,21 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from rlmtrain.model.kv_cache import KVCache
+
+class PagedKV(Protocol):
+    """What the plan reads of a paged KV cache (`kv_cache.KVCache`, which plans with it)."""
+
+    keys: Tensor
+    page_size: int
+    attention_chunk_tokens: int
+
+    def gather(self, layer: int, pages: Tensor, *, values: bool) -> Tensor: ...
+
 
 __all__ = [
     "BLOCK_ROWS",
@@ -165,7 +173,7 @@ class PagedQueries:
     spans: one `QuerySpan` per sequence, covering rows 0 .. N-1 between them.
     """
 
-    def __init__(self, cache: KVCache, spans: Sequence[QuerySpan], heads_per_kv: int):
+    def __init__(self, cache: PagedKV, spans: Sequence[QuerySpan], heads_per_kv: int):
         self._cache = cache
         self.device = cache.keys.device
         self.chunk_tokens = cache.attention_chunk_tokens
@@ -297,7 +305,7 @@ class PagedQueries:
         dim = queries.shape[2]
         kv_heads, per_kv, chunk = self._cache.keys.shape[1], self.heads_per_kv, self.chunk_tokens
         items, rows, chunks = bucket.items
-        keys = self._cache._gather(layer, bucket.pages, values=False)  # [Hkv, I * J * C, D]
+        keys = self._cache.gather(layer, bucket.pages, values=False)  # [Hkv, I * J * C, D]
         stacked = queries[bucket.row_index].view(items, rows, kv_heads, per_kv, dim)
         stacked = stacked.permute(2, 0, 1, 3, 4)[:, :, None]  # [Hkv, I, 1, R, per_kv, D]
         stacked = stacked.expand(-1, -1, chunks, -1, -1, -1).reshape(-1, rows * per_kv, dim)
@@ -321,7 +329,7 @@ class PagedQueries:
         heads, dim = numerator.shape[1:]
         kv_heads, per_kv, chunk = self._cache.keys.shape[1], self.heads_per_kv, self.chunk_tokens
         items, rows, chunks = bucket.items
-        values = self._cache._gather(layer, bucket.pages, values=True)
+        values = self._cache.gather(layer, bucket.pages, values=True)
         # A row that sees nothing here has peak -inf: its weights must be 0, not nan.
         weights = scores.sub_(peak.clamp(min=torch.finfo(scores.dtype).min)).exp_()
         mass = weights.sum(dim=-1)  # [Hkv, I, J, R, per_kv]

@@ -17,10 +17,10 @@ Errors name the file or the message at fault.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
 
-from rlmtrain.errors import UserError
+from rlmtrain.model.chat import Message, Tokenizer, TokenizerError, check_messages
+from rlmtrain.model.hf_tokenizer import HFTokenizer
 
 __all__ = [
     "ByteTokenizer",
@@ -30,66 +30,11 @@ __all__ = [
     "load_tokenizer",
 ]
 
-Message = Mapping[str, Any]
-
-
-class TokenizerError(UserError, ValueError):
-    """A missing or malformed tokenizer file, an unknown token, or an unrenderable chat."""
-
-
-class Tokenizer(Protocol):
-    """What the rollout, the prompt builder and the trainer need from a tokenizer."""
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids are in [0, vocab_size); the model's embedding may be larger (padded)."""
-        ...
-
-    @property
-    def bos_id(self) -> int | None: ...
-
-    @property
-    def eos_id(self) -> int: ...
-
-    @property
-    def pad_id(self) -> int: ...
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        """Ids that end a generation: EOS and the end-of-turn token."""
-        ...
-
-    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        """Text to ids; special-token strings become control tokens only with allow_special."""
-        ...
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Ids to text, special tokens included; never raises."""
-        ...
-
-    def token_to_id(self, token: str) -> int: ...
-
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
-        """The chat as the template writes it, for inspection and logs."""
-        ...
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool = False,
-        *,
-        sanitize_control_tokens: bool = True,
-    ) -> list[int]:
-        """The chat's prompt ids; see the module notes on `sanitize_control_tokens`."""
-        ...
-
 
 def load_tokenizer(spec: str, hf_dir: str = "") -> Tokenizer:
     """Resolve `ModelConfig.tokenizer`: 'byte', a folder with tokenizer.json, or '' for hf_dir's."""
     if spec == "byte":
         return ByteTokenizer()
-    from rlmtrain.model.hf_tokenizer import HFTokenizer  # it imports this module
-
     if spec:
         return HFTokenizer.from_dir(spec)
     if not hf_dir:
@@ -98,20 +43,6 @@ def load_tokenizer(spec: str, hf_dir: str = "") -> Tokenizer:
             "set model.tokenizer to 'byte' or to a folder with tokenizer.json"
         )
     return HFTokenizer.from_dir(hf_dir)
-
-
-def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """Plain dicts without None values: chat APIs send `content=None`, templates expect no key."""
-    if not messages:
-        raise TokenizerError("cannot render an empty chat: give at least one message")
-    checked = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise TokenizerError(
-                f"message {index} is not a mapping with a string 'role': {message!r}"
-            )
-        checked.append({key: value for key, value in message.items() if value is not None})
-    return checked
 
 
 # ---------------------------------------------------------------------------------------------

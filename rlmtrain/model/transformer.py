@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rlmtrain.model import kv_cache
 from rlmtrain.model.attention import check_choice, plan_attention
 from rlmtrain.model.presets import ModelArgs
 
@@ -207,14 +206,6 @@ class Transformer(nn.Module):
             else:
                 h = layer(h, cos, sin, layer_attend)
         return self.norm(h)
-
-    def prefill(self, cache: kv_cache.KVCache, seq_ids: list[int], prompts: list[Tensor]) -> Tensor:
-        """Admit `prompts` into `cache` under `seq_ids`; last-position hidden `[B, H]`."""
-        return kv_cache.prefill(self, cache, seq_ids, prompts)
-
-    def decode(self, cache: kv_cache.KVCache, seq_ids: list[int], tokens: Tensor) -> Tensor:
-        """One new token per cached sequence, `tokens[B]`; hidden `[B, H]`."""
-        return kv_cache.decode(self, cache, seq_ids, tokens)
 
 
 def _bind_layer(attend: Attend, index: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:

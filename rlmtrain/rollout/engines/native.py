@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlmtrain.model.hf import load_hf_tensors
-from rlmtrain.model.kv_cache import KVCache
+from rlmtrain.model.kv_cache import KVCache, decode, prefill
 from rlmtrain.model.paged_attention import linear_min_rows
 from rlmtrain.model.transformer import Transformer
 from rlmtrain.rollout.batching import BatchingEngine, Request
@@ -150,13 +150,13 @@ class NativeEngine(BatchingEngine):
         hidden: list[Tensor] = []
         if admitted:
             prompts = [torch.tensor(r.prompt_ids, dtype=torch.long) for r in admitted]
-            hidden.append(self.model.prefill(self.cache, [r.seq_id for r in admitted], prompts))
+            hidden.append(prefill(self.model, self.cache, [r.seq_id for r in admitted], prompts))
             cached = sum(self.cache.cached_tokens(r.seq_id) for r in admitted)
             self._stats.prefix_cache_hit_tokens += cached
             self._stats.prefill_tokens += sum(len(r.prompt_ids) for r in admitted) - cached
         if running:
             tokens = torch.tensor([r.token_ids[-1] for r in running], dtype=torch.long)
-            hidden.append(self.model.decode(self.cache, [r.seq_id for r in running], tokens))
+            hidden.append(decode(self.model, self.cache, [r.seq_id for r in running], tokens))
         requests = [*admitted, *running]
         # Padded like the linear layers, so each row's logits are the bits of any larger batch.
         rows = torch.cat(hidden).float()
