@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from rlmtrain.config import RolloutConfig
+from rlmtrain.config import RolloutConfig, too_few_workers
 from rlmtrain.rlm.agent import (
     Agent,
     AgentLimits,
@@ -142,8 +142,8 @@ class Scheduler:
         start_zygote: StartZygote | None = None,
         metrics_every_s: float = 0.5,
     ) -> None:
-        if config.too_few_workers():
-            raise ValueError(config.too_few_workers())
+        if too_few_workers(config):
+            raise ValueError(too_few_workers(config))
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config

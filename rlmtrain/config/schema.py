@@ -1,46 +1,16 @@
-"""One typed config tree for every rlmtrain command.
-
-Each section is a msgspec Struct whose fields carry a default and a one-line description
-(`msgspec.Meta(description=...)`), so the same source gives validation, `rlmtrain config show`
-and the README's reference. A run file is TOML; `--section.key=value` arguments override it,
-the value parsed as a TOML literal (a bare word that is not one stays a string).
-
-Errors never surface as tracebacks: an unknown key, a wrong type, an out-of-range value or a
-missing file raises `ConfigError` with one line that names the key and the file; the CLI prints
-it and exits with code 2.
+"""The config's schema: one msgspec Struct per section, each field with its default, its bounds
+and a one-line description (`msgspec.Meta`), so one source gives validation, `rlmtrain config
+show` and the README's reference. The rules across fields are `rules.py`; reading TOML and
+overrides is `loader.py`.
 """
 
 from __future__ import annotations
 
-import tomllib
-import typing
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from rlmtrain.errors import UserError
-from rlmtrain.preflight import preflight
-
-__all__ = [
-    "AlgoConfig",
-    "CheckpointConfig",
-    "Config",
-    "ConfigError",
-    "DataConfig",
-    "EvalConfig",
-    "JudgeConfig",
-    "LoggingConfig",
-    "ModelConfig",
-    "ROLLOUT_DEFAULTS",
-    "RolloutConfig",
-    "TrainConfig",
-    "apply_overrides",
-    "load_config",
-    "split_overrides",
-    "to_toml",
-]
-
 
 SEED_MAX = 2**32 - 1
 """The largest seed every generator a run seeds takes (numpy's is 32-bit)."""
@@ -54,11 +24,11 @@ def _doc(text: str, **bounds: Any) -> msgspec.Meta:
     return msgspec.Meta(description=text, **bounds)
 
 
-class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     preset: Annotated[
         str, _doc("architecture preset: tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b")
     ] = "tiny"
@@ -92,7 +62,7 @@ class ModelConfig(_Section):
     seed: Annotated[int, _doc("seed for random initialisation", ge=0, le=SEED_MAX)] = 0
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     env: Annotated[str, _doc("environment name from the registry: evidence, booknav, codenav")] = (
         "evidence"
     )
@@ -126,7 +96,7 @@ class DataConfig(_Section):
     seed: Annotated[int, _doc("seed for data synthesis and task order", ge=0, le=SEED_MAX)] = 0
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     engine: Annotated[Literal["native", "vllm", "sim"], _doc("inference engine")] = "native"
     n_samples: Annotated[int, _doc("G: root trajectories sampled per task", ge=1)] = 4
     max_turns: Annotated[int, _doc("turns per trajectory before finish_reason=max_turns", ge=1)] = 6
@@ -190,18 +160,8 @@ class RolloutConfig(_Section):
         ),
     ] = False
 
-    def too_few_workers(self) -> str:
-        """Why `max_live_workers` cannot run a tree of `max_depth`, or "" when it can: each
-        level of a tree holds its REPL worker while it waits on its child."""
-        if self.max_live_workers >= self.max_depth + 1:
-            return ""
-        return (
-            f"rollout.max_live_workers={self.max_live_workers} must be at least max_depth + 1 = "
-            f"{self.max_depth + 1}: one worker per REPL level of a tree"
-        )
 
-
-class AlgoConfig(_Section):
+class AlgoConfig(Section):
     clip_low: Annotated[float, _doc("PPO clip below 1 (ratio >= 1 - clip_low)", ge=0, lt=1)] = 0.2
     clip_high: Annotated[float, _doc("PPO clip above 1 (ratio <= 1 + clip_high)", ge=0)] = 0.28
     dual_clip: Annotated[
@@ -283,7 +243,7 @@ class AlgoConfig(_Section):
     ] = 1
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: Annotated[int, _doc("optimizer steps of the main phase", ge=0)] = 20
     sft_steps: Annotated[int, _doc("supervised warm-up steps before RL", ge=0)] = 20
     tasks_per_step: Annotated[int, _doc("tasks (GRPO groups) per optimizer step", ge=1)] = 4
@@ -321,7 +281,7 @@ class TrainConfig(_Section):
     seed: Annotated[int, _doc("seed for sampling and data order", ge=0, le=SEED_MAX)] = 0
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     dir: Annotated[str, _doc("run folder for checkpoints, logs and data")] = "runs/tiny"
     every: Annotated[
         int,
@@ -342,7 +302,7 @@ class CheckpointConfig(_Section):
     ] = False
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     level: Annotated[Literal["debug", "info", "warning", "error"], _doc("log level")] = "info"
     every: Annotated[int, _doc("print metrics every N steps", ge=1)] = 1
     metrics_path: Annotated[
@@ -364,7 +324,7 @@ class LoggingConfig(_Section):
     )
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """Held-out evaluation (`rlmtrain eval`, and inside `train`)."""
 
     tasks: Annotated[int, _doc("held-out tasks evaluated; 0 = every held-out task", ge=0)] = 0
@@ -378,7 +338,7 @@ class EvalConfig(_Section):
     ] = 1234
 
 
-class JudgeConfig(_Section):
+class JudgeConfig(Section):
     """The judge model behind an OpenAI-compatible chat-completions endpoint (rewards/)."""
 
     base_url: Annotated[
@@ -419,7 +379,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS: dict[str, type[Section]] = {
     name: info.type
     for name, info in zip(Config.__struct_fields__, msgspec.structs.fields(Config), strict=True)
 }
@@ -427,132 +387,3 @@ SECTIONS: dict[str, type[_Section]] = {
 ROLLOUT_DEFAULTS = RolloutConfig()
 """The rollout section at its defaults: where the agent's, the REPL's and the sampler's own
 defaults are read from, so each limit is declared once (here) and read, never repeated."""
-
-
-def _validate(raw: dict[str, Any], source: str) -> Config:
-    try:
-        config = msgspec.convert(raw, Config, strict=True)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_readable(str(exc))}") from None
-    problem = preflight(config)
-    if problem:
-        raise ConfigError(f"{source}: {problem}")
-    return config
-
-
-def _readable(message: str) -> str:
-    """'Object contains unknown field `x` - at `$.model`' -> "unknown key 'model.x'"."""
-    text, _, where = message.partition(" - at `$")
-    where = where.rstrip("`").lstrip(".")
-    if text.startswith("Object contains unknown field"):
-        field = text.split("`")[1]
-        key = f"{where}.{field}" if where else field
-        return f"unknown key '{key}'"
-    if not where:
-        return text
-    return f"key '{where}': {text}"
-
-
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML run file (None = all defaults), apply `section.key=value` overrides, validate."""
-    raw: dict[str, Any] = {}
-    source = "command line"
-    if path is not None:
-        source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{source}: config file not found")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    apply_overrides(raw, overrides, source)
-    return _validate(raw, source)
-
-
-def split_overrides(arguments: list[str]) -> tuple[list[str], list[str]]:
-    """The `--section.key=value` config overrides among `arguments`, and the rest."""
-    overrides = [a for a in arguments if a.startswith("--") and "." in a.split("=", 1)[0]]
-    return overrides, [a for a in arguments if a not in overrides]
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str], source: str = "overrides") -> None:
-    """Apply `section.key=value` strings (a leading `--` is allowed) to a raw TOML dict in place."""
-    for item in overrides:
-        text = item[2:] if item.startswith("--") else item
-        key, eq, value = text.partition("=")
-        section, dot, field = key.partition(".")
-        if not eq or not dot or not field or "." in field:
-            raise ConfigError(f"{source}: override '{item}' is not of the form --section.key=value")
-        if section not in SECTIONS:
-            raise ConfigError(f"{source}: unknown key '{key}' (no section '{section}')")
-        if field not in SECTIONS[section].__struct_fields__:
-            raise ConfigError(f"{source}: unknown key '{key}'")
-        parsed = _parse_value(value)
-        # A text key takes the text as written: `--checkpoint.dir=1e3` is the folder "1e3".
-        if _takes_text(SECTIONS[section], field) and not isinstance(parsed, str):
-            parsed = value
-        raw.setdefault(section, {})[field] = parsed
-
-
-def _parse_value(value: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        return value
-
-
-def _takes_text(section: type[_Section], field: str) -> bool:
-    hint = typing.get_type_hints(section)[field]
-    if typing.get_origin(hint) is Literal:
-        return all(isinstance(choice, str) for choice in typing.get_args(hint))
-    return hint is str
-
-
-def field_docs(section: type[_Section]) -> dict[str, str]:
-    """Field name -> one-line description, from the Annotated metadata."""
-    docs = {}
-    for name, hint in typing.get_type_hints(section, include_extras=True).items():
-        metas = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, msgspec.Meta)]
-        docs[name] = next((m.description for m in metas if m.description), "")
-    return docs
-
-
-def to_toml(config: Config, with_docs: bool = True) -> str:
-    """The resolved config as TOML, each key preceded by its description."""
-    lines: list[str] = []
-    for name in Config.__struct_fields__:
-        section = getattr(config, name)
-        docs = field_docs(type(section))
-        lines.append(f"[{name}]")
-        for field in section.__struct_fields__:
-            if with_docs and docs.get(field):
-                lines.append(f"# {docs[field]}")
-            lines.append(f"{field} = {_toml_value(getattr(section, field))}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return msgspec.json.encode(value).decode()
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
-
-
-def reference_markdown() -> str:
-    """The config reference table printed in README.md (a test keeps the two in sync)."""
-    lines = ["| key | default | meaning |", "|---|---|---|"]
-    defaults = Config()
-    for name in Config.__struct_fields__:
-        section = getattr(defaults, name)
-        docs = field_docs(type(section))
-        for field in section.__struct_fields__:
-            value = _toml_value(getattr(section, field))
-            lines.append(f"| `{name}.{field}` | `{value}` | {docs[field]} |")
-    return "\n".join(lines)

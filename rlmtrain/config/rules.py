@@ -1,15 +1,24 @@
-"""The config's cross-field rules (`preflight`), checked whenever a config loads
-(`config._validate`): the limits one key sets for another.
+"""The config's rules across fields: the limits one key sets for another, which the schema's
+per-field bounds cannot see. Each would otherwise fail mid-run, on the first long turn or the
+first deep tree. Checked whenever a config loads (`loader.load_config`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from rlmtrain.config.schema import Config, RolloutConfig
 
-if TYPE_CHECKING:
-    from rlmtrain.config import Config
+__all__ = ["preflight", "too_few_workers"]
 
-__all__ = ["preflight"]
+
+def too_few_workers(rollout: RolloutConfig) -> str:
+    """Why `rollout.max_live_workers` cannot run a tree of `max_depth`, or "" when it can: each
+    level of a tree holds its REPL worker while it waits on its child."""
+    if rollout.max_live_workers >= rollout.max_depth + 1:
+        return ""
+    return (
+        f"rollout.max_live_workers={rollout.max_live_workers} must be at least max_depth + 1 = "
+        f"{rollout.max_depth + 1}: one worker per REPL level of a tree"
+    )
 
 
 def preflight(config: Config) -> str:
@@ -33,7 +42,7 @@ def preflight(config: Config) -> str:
             f"{rollout.kv_cache_tokens} cannot hold one turn of rollout.max_prompt_tokens + "
             f"rollout.max_new_tokens = {longest_turn} tokens",
         ),
-        ("rollout.max_live_workers", not rollout.too_few_workers(), rollout.too_few_workers()),
+        ("rollout.max_live_workers", not too_few_workers(rollout), too_few_workers(rollout)),
         (
             "rollout.colocate",
             not rollout.colocate or rollout.engine == "vllm",
