@@ -88,3 +88,24 @@ def test_a_module_over_600_lines_says_why_at_its_top():
         if len(lines) > 600 and not any("Why one file:" in line for line in lines[:40]):
             unexplained.append(f"{name} ({len(lines)} lines)")
     assert not unexplained, f"split these, or say why they are one file: {unexplained}"
+
+
+def test_the_training_script_stays_a_table_of_contents():
+    lines = (ROOT / "rlmtrain" / "train.py").read_text().splitlines()
+    assert len(lines) <= 400, f"rlmtrain/train.py has {len(lines)} lines; its parts go in training/"
+
+
+def test_no_function_of_the_trainer_takes_more_than_8_parameters():
+    """Named parameters (a `**options` pass-through is not one); a longer list wants an object."""
+    import ast
+
+    crowded = []
+    for path in sorted((ROOT / "rlmtrain").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args
+                names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+                names = [n for n in names if n not in ("self", "cls")]
+                if len(names) > 8:
+                    crowded.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not crowded, crowded
