@@ -49,6 +49,16 @@ _EVAL_PHASES = ("init", "sft", "rl", "final")
 _NOT_SCALARS = ("phase", "step")
 
 
+def check_wandb(cfg: Config) -> None:
+    """A W&B project needs wandb installed; refused in one line otherwise (a run that logged
+    nowhere it was told to would be found out only after it ended)."""
+    if cfg.logging.wandb_project and not HAS_WANDB:
+        raise ConfigError(
+            f"logging.wandb_project: '{cfg.logging.wandb_project}' is set but wandb is not "
+            "installed (pip install wandb), or leave it empty"
+        )
+
+
 class RunLog:
     """The run's metrics, eval reports, sample trees, TensorBoard, W&B, progress bar and plot.
 
@@ -57,11 +67,7 @@ class RunLog:
     """
 
     def __init__(self, cfg: Config, run_dir: Path, *, rank0: bool = True) -> None:
-        if cfg.logging.wandb_project and not HAS_WANDB:
-            raise ConfigError(
-                f"logging.wandb_project: '{cfg.logging.wandb_project}' is set but wandb is not "
-                "installed (pip install wandb), or leave it empty"
-            )
+        check_wandb(cfg)
         self._cfg = cfg
         folder = RunFolder(run_dir, cfg.logging.metrics_path)
         self._curves = folder.curves

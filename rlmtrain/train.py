@@ -38,7 +38,7 @@ from rlmtrain import parallel
 from rlmtrain.config import Config
 from rlmtrain.training.rl import rl_phase
 from rlmtrain.training.sft import sft_phase
-from rlmtrain.training.startup import refuse_unwired, start_run
+from rlmtrain.training.startup import check_run_rules, start_run
 
 log = logging.getLogger("rlmtrain.train")
 
@@ -50,7 +50,7 @@ def main(cfg: Config) -> int:
     try:
         level = cfg.logging.level.upper() if world.is_main else "WARNING"
         logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
-        refuse_unwired(cfg, device)
+        check_run_rules(cfg, device)
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)

@@ -129,3 +129,14 @@ def test_data_prepare_rollout_and_eval_run_on_the_default_in_fresh_folders(tmp_p
     assert "holds no checkpoint; evaluating the config's starting model" in result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["roots"] == 1 and report["phase"] == "eval"
+
+
+def test_the_envs_rules_refuse_a_run_before_it_writes_anything(tmp_path, capsys):
+    """The evidence teacher's trees need turns the run's limits do not give: refused before the
+    data is synthesised, the tokenizer trained or the run folder made."""
+    run = tmp_path / "run"
+    argv = ["train", "--config", DEFAULT, f"--checkpoint.dir={run}", "--rollout.max_turns=1"]
+    assert main(argv) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rlmtrain train: error: rollout.max_turns: the evidence teacher"), line
+    assert not run.exists()

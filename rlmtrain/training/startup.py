@@ -27,7 +27,7 @@ from rlmtrain.resume import resume_point, starting_state
 from rlmtrain.rewards.chat_client import check_served
 from rlmtrain.rollout.engines import build_engine
 from rlmtrain.run_folder import RunFolder
-from rlmtrain.runlog import RunLog
+from rlmtrain.runlog import RunLog, check_wandb
 from rlmtrain.training.run import EngineSync, Run, TaskSets
 from rlmtrain.training.steps import DTYPES
 
@@ -35,8 +35,11 @@ log = logging.getLogger("rlmtrain.train")
 T = TypeVar("T")
 
 
-def refuse_unwired(cfg: Config, device: torch.device) -> None:
-    """Settings this run cannot carry out on `device`, refused before anything starts."""
+def check_run_rules(cfg: Config, device: torch.device) -> None:
+    """The rules of a training run that the config alone cannot check (`config.rules` checks
+    those at load): a known preset and env, an engine that samples the policy, colocation on a
+    GPU, wandb installed where a W&B project is set. Refused before anything starts; the env's
+    own rules (`Env.teacher`'s limits) follow in `start_run`, before anything is written."""
     if not cfg.model.hf_dir and cfg.model.preset not in PRESETS:
         raise ConfigError(
             f"model.preset: unknown preset {cfg.model.preset!r}; known: {', '.join(PRESETS)}"
@@ -52,14 +55,17 @@ def refuse_unwired(cfg: Config, device: torch.device) -> None:
             "rollout.engine: 'sim' samples pseudo-random tokens, not the policy; train with "
             "'native' or 'vllm'"
         )
+    check_wandb(cfg)
 
 
 async def start_run(cfg: Config, world: parallel.World, device: torch.device) -> Run:
     check_served(cfg.judge)  # before the run writes anything
+    env = get_env(cfg.data.env, cfg)
+    if cfg.train.sft_steps:
+        env.teacher(cfg.rollout)  # the env's rules for the run's limits
     folder = RunFolder.of(cfg).make()
     resume_from = resume_point(cfg, folder)
 
-    env = get_env(cfg.data.env, cfg)
     # Rank 0 synthesises the data and trains the tokenizer; the others then read its files.
     tasks = on_main_first(world, lambda: task_sets(cfg, env))
     log.info(
