@@ -208,7 +208,6 @@ class RunLog:
         position = self._global_step(phase, step)
         written = 0
         for group, group_scores in zip(groups, scores, strict=True):
-            by_id = group.by_id()
             for root, score in zip(group.roots, group_scores, strict=True):
                 if written == self._cfg.logging.sample_trees:
                     return
@@ -220,7 +219,7 @@ class RunLog:
                         "task_id": root.task_id,
                         "root_id": root.id,
                         "score": score,
-                        "trajectories": [_decoded(t) for t in _tree(root, by_id)],
+                        "trajectories": [_decoded(t) for t in group.tree(root)],
                     }
                 )
                 written += 1
@@ -392,16 +391,6 @@ def _bar_postfix(row: dict[str, Any]) -> str:
     elif "engine_tokens_per_s" in row:
         parts.append(f"{row['engine_tokens_per_s']:,.0f} tok/s")
     return ", ".join(parts)
-
-
-def _tree(root: Trajectory, by_id: dict[str, Trajectory]) -> list[Trajectory]:
-    """The root and its descendants, depth first in spawn order (a parent before its children)."""
-    out, stack = [], [root]
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        stack.extend(by_id[c] for c in reversed(node.children) if c in by_id)
-    return out
 
 
 def _decoded(t: Trajectory) -> dict[str, Any]:

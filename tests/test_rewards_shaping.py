@@ -93,6 +93,11 @@ def test_tree_turns_include_descendants():
     turns = tree_turns(group, root)
     assert [t.tool_calls[0].args for t in turns] == ["'a'", "'a'", "'1'"]
     assert diversity_bonus(turns) == pytest.approx(2 / 3)
+    # One walk, one rule: a child missing from the group is an error here as in the advantages,
+    # not a smaller tree whose bonus would differ from the one the advantages see.
+    broken = RolloutGroup(task={}, trajectories=group.trajectories[:2])
+    with pytest.raises(ValueError, match="child c2 of r is not in the group"):
+        tree_turns(broken, root)
 
 
 # --- novelty and tool credit --------------------------------------------------------------------

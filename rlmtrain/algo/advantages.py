@@ -41,7 +41,6 @@ __all__ = [
     "compute_advantages",
     "group_advantages",
     "refine_turns",
-    "tree_of",
 ]
 
 DEFAULT_EPS = 1e-6
@@ -97,33 +96,6 @@ def group_advantages(
     return [None if r is None else (float(r) - mean) * scale for r in rewards]
 
 
-def tree_of(group: RolloutGroup, root: Trajectory) -> list[Trajectory]:
-    """`root` and all its descendants in depth-first order, parents before children.
-
-    A child id missing from the group, or a trajectory reached twice, is a malformed group and
-    raises ValueError naming the task and the ids.
-    """
-    by_id = group.by_id()
-    order: list[Trajectory] = []
-    seen: set[str] = set()
-    stack = [root]
-    while stack:
-        traj = stack.pop()
-        if traj.id in seen:
-            raise ValueError(
-                f"task {traj.task_id}: trajectory {traj.id} is reached twice under root {root.id}"
-            )
-        seen.add(traj.id)
-        order.append(traj)
-        for child_id in reversed(traj.children):
-            if child_id not in by_id:
-                raise ValueError(
-                    f"task {traj.task_id}: child {child_id} of {traj.id} is not in the group"
-                )
-            stack.append(by_id[child_id])
-    return order
-
-
 def compute_advantages(
     groups: Sequence[RolloutGroup],
     rewards: Sequence[Sequence[float | None]],
@@ -169,7 +141,7 @@ def compute_advantages(
             stats.groups_kept_uniform += 1
         turns: dict[str, list[float]] = {}
         for root, a in scored:
-            for traj in tree_of(group, root):
+            for traj in group.tree(root):
                 credit = tool_credit.get(traj.id) if alpha > 0 else None
                 steps = step_rewards.get(traj.id) if step_rewards is not None else None
                 turns[traj.id] = refine_turns(traj, a, alpha=alpha, credit=credit, steps=steps)

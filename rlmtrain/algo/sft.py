@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from rlmtrain.algo.advantages import GroupAdvantages, tree_of
+from rlmtrain.algo.advantages import GroupAdvantages
 from rlmtrain.algo.samples import Sample, build_samples
 from rlmtrain.config import AlgoConfig
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
@@ -53,7 +53,7 @@ def filter_teacher(
         turns: dict[str, list[float]] = {}
         for root in group.roots:
             stats.trees += 1
-            tree = tree_of(group, root)
+            tree = group.tree(root)
             if any(turn.error for traj in tree for turn in traj.turns):
                 stats.repl_error += 1
                 continue

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rlmtrain.algo.advantages import tree_of
 from rlmtrain.config import AlgoConfig
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 
@@ -44,7 +43,7 @@ def tree_shares(
     root_share = 1.0 / len(root_ids)
     shares: dict[str, float] = {}
     for root_id in root_ids:
-        for traj in tree_of(group, by_id[root_id]):
+        for traj in group.tree(by_id[root_id]):
             share = shares.setdefault(traj.id, root_share)
             if traj.children:
                 child_share = share / len(traj.children) if child_averaging else root_share

@@ -52,14 +52,7 @@ def tool_calls(turns: Iterable[Turn]) -> list[ToolCall]:
 
 def tree_turns(group: RolloutGroup, root: Trajectory) -> list[Turn]:
     """Every turn of `root` and its descendants, depth-first in spawn order."""
-    by_id = group.by_id()
-    turns: list[Turn] = []
-    stack = [root]
-    while stack:
-        node = stack.pop()
-        turns.extend(node.turns)
-        stack.extend(by_id[c] for c in reversed(node.children) if c in by_id)
-    return turns
+    return [turn for trajectory in group.tree(root) for turn in trajectory.turns]
 
 
 def diversity_bonus(turns: Iterable[Turn]) -> float:

@@ -96,6 +96,35 @@ class RolloutGroup(msgspec.Struct, kw_only=True):
     def by_id(self) -> dict[str, Trajectory]:
         return {t.id: t for t in self.trajectories}
 
+    def tree(self, root: Trajectory) -> list[Trajectory]:
+        """`root` and all its descendants, depth first in spawn order (a parent before its
+        children): the one walk of a tree that rewards, advantages, samples and logs share.
+
+        A child id missing from the group, or a trajectory reached twice, is a malformed group
+        and raises ValueError naming the task and the ids: every consumer would otherwise see
+        a different tree.
+        """
+        by_id = self.by_id()
+        order: list[Trajectory] = []
+        seen: set[str] = set()
+        stack = [root]
+        while stack:
+            traj = stack.pop()
+            if traj.id in seen:
+                raise ValueError(
+                    f"task {traj.task_id}: trajectory {traj.id} is reached twice under root "
+                    f"{root.id}"
+                )
+            seen.add(traj.id)
+            order.append(traj)
+            for child_id in reversed(traj.children):
+                if child_id not in by_id:
+                    raise ValueError(
+                        f"task {traj.task_id}: child {child_id} of {traj.id} is not in the group"
+                    )
+                stack.append(by_id[child_id])
+        return order
+
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(RolloutGroup)
