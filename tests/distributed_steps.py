@@ -24,6 +24,7 @@ from rlmtrain.config import Config, ModelConfig
 from rlmtrain.kernels import fused_linear_logprob
 from rlmtrain.model import build_model
 from rlmtrain.optim import build_optimizer
+from rlmtrain.rewards.step_rewards import StepRewards
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
 from rlmtrain.rollout.engines.native import NativeEngine
 from rlmtrain.training.rl import reference_policy
@@ -59,7 +60,7 @@ def fixed_samples(model, cfg: Config):
             )  # fmt: skip
         groups.append(RolloutGroup(task={"id": f"t{g}"}, trajectories=roots))
         rewards.append([float((i + g) % 3) for i in range(3)])
-    advantages, _ = compute_advantages(groups, rewards, cfg.algo)
+    advantages, _ = compute_advantages(groups, StepRewards(roots=rewards), cfg.algo)
     return build_samples(groups, advantages, cfg.algo)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from rlmtrain.algo import build_samples, compute_advantages, group_advantages
 from rlmtrain.config import AlgoConfig
+from rlmtrain.rewards.step_rewards import StepRewards
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
 
 
@@ -60,7 +61,9 @@ def test_without_std_normalisation_only_centres():
 def test_unscored_roots_are_excluded_not_zero():
     group = _group("t", [[2], [3], [4]], children={1: [[5]]})
     cfg = AlgoConfig()
-    advantages, stats = compute_advantages([group], [[1.0, None, 0.0]], cfg, eps=0.0)
+    advantages, stats = compute_advantages(
+        [group], StepRewards(roots=[[1.0, None, 0.0]]), cfg, eps=0.0
+    )
     # Statistics over (1, 0) only: mean 1/2, std 1/2. Had None counted as 0, A(r0) would be √2.
     assert advantages[0].roots == {"t/r0": 1.0, "t/r2": -1.0}
     assert (stats.roots_scored, stats.roots_unscored) == (2, 1)
@@ -74,7 +77,7 @@ def test_unscored_roots_are_excluded_not_zero():
 @pytest.mark.parametrize("rewards", [[0.5, 0.5, 0.5], [1.0, None, 1.0]])
 def test_uniform_group_dropped(rewards):
     group = _group("t", [[2], [3], [4]])
-    advantages, stats = compute_advantages([group], [rewards], AlgoConfig())
+    advantages, stats = compute_advantages([group], StepRewards(roots=[rewards]), AlgoConfig())
     assert advantages == []
     assert (stats.groups, stats.groups_used, stats.groups_dropped_uniform) == (1, 0, 1)
 
@@ -83,7 +86,9 @@ def test_uniform_group_kept_has_zero_advantage_and_still_counts():
     uniform = _group("u", [[2], [3], [4]])
     varied = _group("v", [[2], [2]])
     cfg = AlgoConfig(drop_uniform_groups=False)
-    advantages, stats = compute_advantages([uniform, varied], [[0.5] * 3, [1.0, 0.0]], cfg)
+    advantages, stats = compute_advantages(
+        [uniform, varied], StepRewards(roots=[[0.5] * 3, [1.0, 0.0]]), cfg
+    )
     assert (stats.groups_used, stats.groups_kept_uniform, stats.groups_dropped_uniform) == (2, 1, 0)
     samples = _by_turn(build_samples([uniform, varied], advantages, cfg))
     for g, n in enumerate([2, 3, 4]):
@@ -95,7 +100,9 @@ def test_uniform_group_kept_has_zero_advantage_and_still_counts():
 
 def test_group_without_any_score_is_dropped_and_counted():
     advantages, stats = compute_advantages(
-        [_group("a", [[1], [1]]), _group("b", [[1], [1]])], [[None, None], [1.0, 0.0]], AlgoConfig()
+        [_group("a", [[1], [1]]), _group("b", [[1], [1]])],
+        StepRewards(roots=[[None, None], [1.0, 0.0]]),
+        AlgoConfig(),
     )
     assert [a.group_index for a in advantages] == [1]
     assert (stats.groups_unscored, stats.roots_unscored, stats.groups_used) == (1, 2, 1)
@@ -106,7 +113,9 @@ def test_tool_credit_refines_each_turn():
     group = _group("t", [[2, 2, 2], [3, 1]], children={0: [[1, 1, 1]]})
     labels = {"t/r0": [1, 0, -1], "t/r1": [-1, 1], "t/r0/c0": [1, 0, 0]}
     cfg = AlgoConfig(tool_credit_alpha=0.5)
-    advantages, _ = compute_advantages([group], [[1.0, 0.0]], cfg, tool_credit=labels, eps=0.0)
+    advantages, _ = compute_advantages(
+        [group], StepRewards(roots=[[1.0, 0.0]], tool_credit=labels), cfg, eps=0.0
+    )
     expected = {
         "t/r0": [1 + F(1, 2) * 1, 1 + 0, 1 - F(1, 2)],  # c̄ = 0
         "t/r1": [-1 + F(1, 2) * (-1), -1 + F(1, 2) * 1],  # c̄ = 0, |A| = 1
@@ -126,13 +135,16 @@ def test_step_rewards_add_per_turn_after_tool_credit():
     steps = {"t/r0": [0.25, -0.5, 0.0]}
     labels = {"t/r0": [1, 0, -1]}
     advantages, _ = compute_advantages(
-        [group], [[1.0, 0.0]], cfg, tool_credit=labels, step_rewards=steps, eps=0.0
+        [group],
+        StepRewards(roots=[[1.0, 0.0]], tool_credit=labels, turn_rewards=steps),
+        cfg,
+        eps=0.0,
     )
     assert advantages[0].turns["t/r0"] == [1.5 + 0.25, 1.0 - 0.5, 0.5 + 0.0]
     assert advantages[0].turns["t/r1"] == [-1.0, -1.0]  # neither labelled nor scored per step
 
     only_steps, _ = compute_advantages(
-        [group], [[1.0, 0.0]], AlgoConfig(), step_rewards=steps, eps=0.0
+        [group], StepRewards(roots=[[1.0, 0.0]], turn_rewards=steps), AlgoConfig(), eps=0.0
     )
     assert only_steps[0].turns["t/r0"] == [1.25, 0.5, 1.0]
 
@@ -140,23 +152,29 @@ def test_step_rewards_add_per_turn_after_tool_credit():
 def test_bad_inputs_name_what_is_wrong():
     group = _group("t", [[2, 2], [3]])
     with pytest.raises(ValueError, match="task t: 3 rewards for 2 roots"):
-        compute_advantages([group], [[1.0, 0.0, 1.0]], AlgoConfig())
+        compute_advantages([group], StepRewards(roots=[[1.0, 0.0, 1.0]]), AlgoConfig())
     with pytest.raises(ValueError, match="reward of root 1 is nan"):
-        compute_advantages([group], [[1.0, float("nan")]], AlgoConfig())
+        compute_advantages([group], StepRewards(roots=[[1.0, float("nan")]]), AlgoConfig())
     with pytest.raises(ValueError, match="tool_credit_alpha=0.5 but no tool-credit labels"):
-        compute_advantages([group], [[1.0, 0.0]], AlgoConfig(tool_credit_alpha=0.5))
+        compute_advantages(
+            [group], StepRewards(roots=[[1.0, 0.0]]), AlgoConfig(tool_credit_alpha=0.5)
+        )
     with pytest.raises(ValueError, match="trajectory t/r0: 1 tool-credit labels for 2 turns"):
         compute_advantages(
-            [group], [[1.0, 0.0]], AlgoConfig(tool_credit_alpha=0.5), tool_credit={"t/r0": [1]}
+            [group],
+            StepRewards(roots=[[1.0, 0.0]], tool_credit={"t/r0": [1]}),
+            AlgoConfig(tool_credit_alpha=0.5),
         )
     with pytest.raises(ValueError, match="trajectory t/r1: tool-credit labels must be -1, 0 or 1"):
         compute_advantages(
-            [group], [[1.0, 0.0]], AlgoConfig(tool_credit_alpha=0.5), tool_credit={"t/r1": [2]}
+            [group],
+            StepRewards(roots=[[1.0, 0.0]], tool_credit={"t/r1": [2]}),
+            AlgoConfig(tool_credit_alpha=0.5),
         )
     broken = _group("b", [[1], [1]], children={0: [[1]]})
     broken.trajectories = [t for t in broken.trajectories if t.parent_id is None]
     with pytest.raises(ValueError, match="task b: child b/r0/c0 of b/r0 is not in the group"):
-        compute_advantages([broken], [[1.0, 0.0]], AlgoConfig())
+        compute_advantages([broken], StepRewards(roots=[[1.0, 0.0]]), AlgoConfig())
 
 
 @pytest.mark.parametrize("adjust", ["both", "credit", "steps"])
@@ -186,10 +204,12 @@ def test_turn_adjustments_reach_every_token_through_samples_and_packing(adjust):
     cfg = AlgoConfig(tool_credit_alpha=0.5 if adjust != "steps" else 0.0)
     advantages, _ = compute_advantages(
         [group],
-        [[1.0, 0.0]],
+        StepRewards(
+            roots=[[1.0, 0.0]],
+            tool_credit=labels if adjust != "steps" else None,
+            turn_rewards=steps if adjust != "credit" else None,
+        ),
         cfg,
-        tool_credit=labels if adjust != "steps" else None,
-        step_rewards=steps if adjust != "credit" else None,
         eps=0.0,
     )
     samples = build_samples([group], advantages, cfg)

@@ -19,6 +19,7 @@ import torch
 
 from rlmtrain.algo import build_samples, collate, compute_advantages, pack
 from rlmtrain.config import AlgoConfig
+from rlmtrain.rewards.step_rewards import StepRewards
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
 
 VOCAB = 37
@@ -126,7 +127,7 @@ def model():
 def test_gradient_is_the_same_however_the_batch_is_cut(model, aggregation):
     groups, rewards = _random_groups(seed=1)
     cfg = AlgoConfig(token_aggregation=aggregation, constant_sum_divisor=16.0)
-    advantages, _ = compute_advantages(groups, rewards, cfg)
+    advantages, _ = compute_advantages(groups, StepRewards(roots=rewards), cfg)
     samples = build_samples(groups, advantages, cfg)
     assert len(samples) > 40 and max(s.length for s in samples) <= MAX_POS
 
@@ -159,7 +160,7 @@ def test_weighted_sum_is_the_tree_objective(model):
     + (1/k) Σ_children L(child), computed here recursively from per-token losses."""
     groups, rewards = _random_groups(seed=2)
     cfg = AlgoConfig()
-    advantages, _ = compute_advantages(groups, rewards, cfg)
+    advantages, _ = compute_advantages(groups, StepRewards(roots=rewards), cfg)
     samples = build_samples(groups, advantages, cfg)
     with torch.no_grad():
         weighted = float(_objective(model, collate(samples)))

@@ -24,6 +24,7 @@ import pytest
 
 from rlmtrain.algo import build_samples, compute_advantages, group_token_weights
 from rlmtrain.config import AlgoConfig
+from rlmtrain.rewards.step_rewards import StepRewards
 from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
 
 COMPLETIONS = {
@@ -126,7 +127,7 @@ def hand_tree() -> RolloutGroup:
 def _samples(**config):
     group = hand_tree()
     cfg = AlgoConfig(**config)
-    advantages, stats = compute_advantages([group], [REWARDS], cfg, eps=0.0)
+    advantages, stats = compute_advantages([group], StepRewards(roots=[REWARDS]), cfg, eps=0.0)
     return build_samples([group], advantages, cfg), advantages, stats
 
 
@@ -144,7 +145,7 @@ def test_advantages_broadcast_and_inherit():
 
 def test_default_eps_only_nudges_the_advantage():
     group = hand_tree()
-    advantages, _ = compute_advantages([group], [REWARDS], AlgoConfig())
+    advantages, _ = compute_advantages([group], StepRewards(roots=[REWARDS]), AlgoConfig())
     std = 1 / math.sqrt(6)
     assert advantages[0].roots["r1"] == pytest.approx(0.5 / (std + 1e-6), rel=1e-15)
 
@@ -179,7 +180,7 @@ def test_every_token_weight(config, expected):
 def test_weights_divide_by_the_number_of_groups_in_the_global_batch():
     group = hand_tree()
     cfg = AlgoConfig()
-    advantages, _ = compute_advantages([group], [REWARDS], cfg, eps=0.0)
+    advantages, _ = compute_advantages([group], StepRewards(roots=[REWARDS]), cfg, eps=0.0)
     samples = build_samples([group], advantages, cfg, num_groups=4)
     for s in samples:
         np.testing.assert_allclose(

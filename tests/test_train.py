@@ -135,6 +135,7 @@ def test_grpo_step_moves_the_policy_with_kl_and_tis():
     from rlmtrain.config import Config, ModelConfig
     from rlmtrain.kernels import fused_linear_logprob
     from rlmtrain.model import build_model
+    from rlmtrain.rewards.step_rewards import StepRewards
     from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
     from rlmtrain.training.steps import grpo_step
 
@@ -163,7 +164,7 @@ def test_grpo_step_moves_the_policy_with_kl_and_tis():
     group = RolloutGroup(task={"id": "t"}, trajectories=roots)
     cfg = Config()
     cfg = msgspec.structs.replace(cfg, algo=msgspec.structs.replace(cfg.algo, kl_beta=0.05))
-    advantages, _ = compute_advantages([group], [[1.0, 0.0]], cfg.algo)
+    advantages, _ = compute_advantages([group], StepRewards(roots=[[1.0, 0.0]]), cfg.algo)
     batches = pack(build_samples([group], advantages, cfg.algo), cfg.algo.micro_batch_tokens)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reference = _frozen_copy(model)
@@ -190,6 +191,7 @@ def _hand_made_batches(model, cfg, n_roots: int = 4):
 
     from rlmtrain.algo import build_samples, compute_advantages, pack
     from rlmtrain.kernels import fused_linear_logprob
+    from rlmtrain.rewards.step_rewards import StepRewards
     from rlmtrain.rlm.records import RolloutGroup, Trajectory, Turn
 
     prompt = list(b"<|im_start|>user\nsay hi<|im_end|>\n")
@@ -210,7 +212,9 @@ def _hand_made_batches(model, cfg, n_roots: int = 4):
             )
         )  # fmt: skip
     group = RolloutGroup(task={"id": "t"}, trajectories=roots)
-    advantages, _ = compute_advantages([group], [[float(g) for g in range(n_roots)]], cfg.algo)
+    advantages, _ = compute_advantages(
+        [group], StepRewards(roots=[[float(g) for g in range(n_roots)]]), cfg.algo
+    )
     return pack(build_samples([group], advantages, cfg.algo), len(prompt) + 20)
 
 

@@ -28,11 +28,12 @@ Uniformity is judged on root rewards alone: step rewards do not keep a group tha
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
 from rlmtrain.config import AlgoConfig
+from rlmtrain.rewards.step_rewards import StepRewards
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 
 __all__ = [
@@ -98,22 +99,25 @@ def group_advantages(
 
 def compute_advantages(
     groups: Sequence[RolloutGroup],
-    rewards: Sequence[Sequence[float | None]],
+    step_rewards: StepRewards,
     config: AlgoConfig,
     *,
-    tool_credit: Mapping[str, Sequence[int]] | None = None,
-    step_rewards: Mapping[str, Sequence[float]] | None = None,
     eps: float = DEFAULT_EPS,
 ) -> tuple[list[GroupAdvantages], AdvantageStats]:
     """Per-turn advantages of every trajectory that trains, and what was dropped.
 
-    rewards[i][g]: reward of `groups[i].roots[g]` (roots ordered by sample_idx), None = unscored.
-    tool_credit: trajectory id -> one label in {-1, 0, 1} per turn; required when
+    step_rewards.roots[i][g]: reward of `groups[i].roots[g]` (roots ordered by sample_idx),
+        None = unscored.
+    step_rewards.tool_credit: trajectory id -> one label in {-1, 0, 1} per turn; required when
         `config.tool_credit_alpha > 0`. A trajectory absent from it is unlabelled (every c_t = 0,
         so its turns keep A).
-    step_rewards: trajectory id -> one combined rubric score per turn, added to that turn's
-        advantage; None = no step rewards. A trajectory absent from it gets nothing added.
+    step_rewards.turn_rewards: trajectory id -> one combined rubric score per turn, added to
+        that turn's advantage; None = no step rewards. A trajectory absent from it gets nothing
+        added.
     """
+    rewards = step_rewards.roots
+    tool_credit = step_rewards.tool_credit
+    per_turn = step_rewards.turn_rewards
     if len(rewards) != len(groups):
         raise ValueError(f"{len(rewards)} reward lists for {len(groups)} groups")
     alpha = config.tool_credit_alpha
@@ -143,7 +147,7 @@ def compute_advantages(
         for root, a in scored:
             for traj in group.tree(root):
                 credit = tool_credit.get(traj.id) if alpha > 0 else None
-                steps = step_rewards.get(traj.id) if step_rewards is not None else None
+                steps = per_turn.get(traj.id) if per_turn is not None else None
                 turns[traj.id] = refine_turns(traj, a, alpha=alpha, credit=credit, steps=steps)
         root_advantages = {root.id: a for root, a in scored}
         result.append(GroupAdvantages(group_index=index, roots=root_advantages, turns=turns))

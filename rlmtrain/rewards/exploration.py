@@ -22,7 +22,7 @@ a tree with no tool call gets b = 0.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from rlmtrain.rlm.records import RolloutGroup, ToolCall, Trajectory, Turn
 
@@ -34,6 +34,7 @@ __all__ = [
     "explored_reward",
     "tool_calls",
     "tree_turns",
+    "with_exploration_bonus",
 ]
 
 FINISHING_BUILTINS = frozenset({"FINAL", "FINAL_VAR"})
@@ -78,3 +79,25 @@ def explored_reward(reward: float | None, bonus: float, beta: float) -> float | 
     if reward is None or reward < 1.0:
         return reward
     return reward + beta * bonus
+
+
+def with_exploration_bonus(
+    groups: Sequence[RolloutGroup],
+    scores: Sequence[Sequence[float | None]],
+    beta0: float,
+    step: int,
+    total_steps: int,
+) -> list[list[float | None]]:
+    """R_n = r + beta_n * b * 1[r = 1] for every root of every group, b its tree's tool
+    diversity and beta_n the cosine schedule from `beta0` over the RL steps; the scores as they
+    are when the bonus is off (beta0 = 0)."""
+    if beta0 <= 0:
+        return [list(rs) for rs in scores]
+    beta = beta_schedule(step, total_steps, beta0)
+    return [
+        [
+            explored_reward(r, diversity_bonus(tree_turns(group, root)), beta)
+            for r, root in zip(rs, group.roots, strict=True)
+        ]
+        for group, rs in zip(groups, scores, strict=True)
+    ]

@@ -28,8 +28,7 @@ from rlmtrain.envs.base import Task
 from rlmtrain.evaluation import spawned
 from rlmtrain.model import Transformer
 from rlmtrain.optim import build_optimizer, lr_at, set_lr
-from rlmtrain.rewards.exploration import beta_schedule, diversity_bonus, explored_reward, tree_turns
-from rlmtrain.rewards.turn_signals import TurnSignals, step_totals
+from rlmtrain.rewards.step_rewards import StepRewarder
 from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.scheduler import Scheduler
@@ -56,10 +55,10 @@ async def rl_phase(run: Run) -> None:
     picks = task_batches(run.tasks.rl, cfg.train.tasks_per_step, cfg.train.seed)
     for _ in range(first):
         next(picks)
-    signals = TurnSignals(cfg)
+    rewarder = StepRewarder(cfg, run.env)
     try:
         for step in range(first, cfg.train.steps):
-            lr = await rl_step(run, step, next(picks), signals, reference)
+            lr = await rl_step(run, step, next(picks), rewarder, reference)
             every = cfg.eval.every
             if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
                 await run.evaluate("rl", cfg.train.sft_steps + step + 1)
@@ -68,7 +67,7 @@ async def rl_phase(run: Run) -> None:
             if run.due(step, cfg.train.steps):
                 run.checkpoint("rl", step + 1, lr, reference)
     finally:
-        await signals.close()
+        await rewarder.close()
     # A run resumed after its last step (killed in the export) has it on record.
     await run.evaluate_once("final", cfg.train.sft_steps + cfg.train.steps)
 
@@ -77,7 +76,7 @@ async def rl_step(
     run: Run,
     step: int,
     tasks: list[Task],
-    signals: TurnSignals,
+    rewarder: StepRewarder,
     reference: Transformer | None,
 ) -> float:
     """One GRPO step on `tasks` (the whole step's, dealt here over the ranks); its row goes to
@@ -98,20 +97,15 @@ async def rl_step(
     )
     scheduler = Scheduler(run.engine, run.tokenizer, cfg.rollout, sampling=sampling)
     groups = await scheduler.rollout(batch, run.env, cfg.rollout.n_samples) if batch else []
-    scores = await run.env.root_scores(batch, groups) if batch else []
-    rewards = with_exploration_bonus(groups, scores, cfg, step)
-    credit = await signals.credit(groups)
-    step_scores = await signals.steps(groups)
-    advantages, adv_stats = compute_advantages(
-        groups, rewards, cfg.algo, tool_credit=credit, step_rewards=step_totals(step_scores)
-    )
+    rewards = await rewarder(batch, groups, step)
+    advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo)
     counts = parallel.all_sum(
         torch.tensor(
             [
                 len(advantages),
                 adv_stats.groups_dropped_uniform,
                 adv_stats.roots_unscored,
-                *signals.local_sums(step_scores),
+                *rewarder.local_sums(rewards),
             ],
             dtype=torch.float64,
         )
@@ -120,6 +114,7 @@ async def rl_step(
     # Every weight divides by the global count of kept groups: docs/algorithm.md §4's
     # objective for the whole batch, of which each rank holds a share.
     local = build_samples(groups, advantages, cfg.algo, num_groups=max(1, kept))
+    scores = rewards.env_scores
     flat_local = [r for rs in scores for r in rs if r is not None]
     shares = parallel.all_gather((local, flat_local))
     samples = [sample for share, _ in shares for sample in share]
@@ -133,7 +128,7 @@ async def rl_step(
         "groups_dropped_uniform": dropped,
         "roots_unscored": unscored,
         **rollout_row(scheduler, groups),
-        **signals.row(counts[3:].tolist()),
+        **rewarder.row(counts[3:].tolist()),
     }
     if samples:
         train_began = time.perf_counter()
@@ -206,23 +201,6 @@ def _uninitialised_like(model: Transformer) -> Transformer:
             activation_checkpointing=model.activation_checkpointing,
         )
     return skeleton.to_empty(device="cpu")
-
-
-def with_exploration_bonus(
-    groups: list[RolloutGroup], scores: list[list[float | None]], cfg: Config, step: int
-) -> list[list[float | None]]:
-    """R_n = r + beta_n * b * 1[r = 1] (docs/algorithm.md §3), b the tree's tool diversity,
-    beta_n the cosine schedule over the RL steps; the scores unchanged when the bonus is off."""
-    if cfg.algo.exploration_beta <= 0:
-        return scores
-    beta = beta_schedule(step, cfg.train.steps, cfg.algo.exploration_beta)
-    return [
-        [
-            explored_reward(r, diversity_bonus(tree_turns(group, root)), beta)
-            for r, root in zip(rs, group.roots, strict=True)
-        ]
-        for group, rs in zip(groups, scores, strict=True)
-    ]
 
 
 def rollout_row(scheduler: Scheduler, groups: list[RolloutGroup]) -> dict[str, Any]:
