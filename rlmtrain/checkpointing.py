@@ -64,7 +64,7 @@ class TrainerState(msgspec.Struct, kw_only=True):
     seed: int
     world_size: int
     schedules: dict[str, float | int | str] = msgspec.field(default_factory=dict)
-    """The config values the schedules follow, by dotted key (`train.SCHEDULE_KEYS`); empty in
+    """The config values the schedules follow, by dotted key (`resume.SCHEDULE_KEYS`); empty in
     a checkpoint written before they were recorded."""
     optimizer_stepped: bool | None = None
     """Whether the optimizer had taken a step (and so holds state) when this was written. An

@@ -18,12 +18,14 @@ from rlmtrain.config import split_overrides
 from rlmtrain.errors import UserError
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[Command, argparse.ArgumentParser]]:
+    """The parser of every command, and each command's own (its usage and its errors)."""
     parser = argparse.ArgumentParser(
         prog="rlmtrain", description="Train language models to act as recursive language models."
     )
     top = parser.add_subparsers(dest="command", required=True, metavar="command")
     groups: dict[str, argparse._SubParsersAction] = {}
+    own: dict[Command, argparse.ArgumentParser] = {}
     for command in COMMANDS:
         parent = top
         if len(command.words) > 1:
@@ -34,20 +36,27 @@ def build_parser() -> argparse.ArgumentParser:
                     dest=f"{group}_command", required=True, metavar="command"
                 )
             parent = groups[group]
-        sub = parent.add_parser(command.words[-1], help=command.help, description=command.help)
-        _module(command).add_arguments(sub)
+        module = _module(command)
+        sub = parent.add_parser(
+            command.words[-1],
+            help=command.help,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
         sub.set_defaults(chosen=command)
-    return parser
+        own[command] = sub
+    return parser, own
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser, own = build_parser()
     args, rest = parser.parse_known_args(argv)
     command: Command = args.chosen
     overrides, unknown = split_overrides(rest)
     if unknown or (overrides and not command.takes_overrides):
-        parser.error(f"{command.name}: unrecognized arguments: {' '.join(unknown or overrides)}")
+        own[command].error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     try:
         return _module(command).run(args, overrides)
     except UserError as exc:
@@ -57,3 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _module(command: Command) -> ModuleType:
     return importlib.import_module(command.module)
+
+
+if __name__ == "__main__":
+    sys.exit("rlmtrain.cli is not a script: run `rlmtrain ...` or `python -m rlmtrain ...`")

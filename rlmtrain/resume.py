@@ -78,7 +78,6 @@ def resume_point(cfg: Config, folder: RunFolder) -> Path | None:
         return None
     found = checkpointing.latest(folder.root)
     if found is None:
-        log.info("checkpoint.resume: no checkpoint in %s yet, starting fresh", folder.root)
         return None
     recorded = checkpointing.trainer_state(found)
     _check_schedules(found, recorded.schedules, schedules(cfg))

@@ -97,3 +97,11 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
     finally:
         await run.close()
     return 0
+
+
+if __name__ == "__main__":
+    # An older launch line would otherwise import this module, do nothing and exit 0.
+    sys.exit(
+        "rlmtrain.train is not a script: run `rlmtrain train ...`, `python -m rlmtrain train ...` "
+        "or `torchrun ... -m rlmtrain train ...`"
+    )

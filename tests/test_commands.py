@@ -39,6 +39,10 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["data", "ingest", str(tmp / "no-pdfs"), "--out", str(tmp / "c.jsonl")], "no-pdfs"),
         (["data", "synth", "--out", str(tmp / "s"), "--groups", "0"], "--groups"),
         (["model", "import-gguf", str(tmp / "no.gguf"), "--out", str(tmp / "m")], "no.gguf"),
+        (["rollout", "--config", DEFAULT, "--out", str(tmp / "none" / "t.jsonl")], "none"),
+        (["data", "ingest", str(tmp), "--out", str(tmp / "none" / "c.jsonl")], "none"),
+        (["data", "ingest", str(tmp), "--out", str(tmp / "c.jsonl"), "--workers", "0"], "workers"),
+        (["eval", "--config", DEFAULT, "--out", str(tmp / "none" / "r.json")], "none"),
     ]
 
 
@@ -50,7 +54,7 @@ def test_every_command_is_in_the_bad_input_table(tmp_path):
         assert any(words[: len(command.words)] == command.words for words in covered), command
 
 
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(len(_bad_inputs(Path("/")))))
 def test_bad_input_is_one_line_and_exit_2_from_every_command(tmp_path, capsys, case):
     argv, needle = _bad_inputs(tmp_path)[case]
     assert main(argv) == 2
@@ -140,3 +144,16 @@ def test_the_envs_rules_refuse_a_run_before_it_writes_anything(tmp_path, capsys)
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("rlmtrain train: error: rollout.max_turns: the evidence teacher"), line
     assert not run.exists()
+
+
+@pytest.mark.parametrize("module", ["rlmtrain.train", "rlmtrain.cli"])
+def test_an_old_launch_line_fails_instead_of_doing_nothing(module):
+    result = subprocess.run(
+        [sys.executable, "-m", module, "train", "--config", DEFAULT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_HANG_S,
+    )
+    assert result.returncode != 0
+    assert "is not a script" in result.stderr and "-m rlmtrain" in result.stderr

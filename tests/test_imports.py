@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ARCHITECTURE = ROOT / "docs/architecture.md"
 
 
 def _rules() -> dict[str, set[str]]:

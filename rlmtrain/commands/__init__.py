@@ -8,7 +8,11 @@ it runs, so `rlmtrain config show` or `rlmtrain --help` loads none of it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+from rlmtrain.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -66,3 +70,24 @@ GROUPS = {
     "model": "import model checkpoints",
     "config": "inspect configuration",
 }
+
+
+def output_file(path: str, flag: str) -> Path:
+    """`path`, a file the command is to write, refused up front where its folder is missing or
+    not writable (a UserError naming `flag`): found at the end, it would lose the work."""
+    out = Path(path)
+    folder = out.parent
+    if out.is_dir():
+        raise UserError(f"{flag} {out}: is a folder; name a file")
+    if not folder.is_dir():
+        raise UserError(f"{flag} {out}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {out}: the folder {folder} is not writable")
+    return out
+
+
+def workers(value: int | None, flag: str = "--workers") -> int | None:
+    """A process count given on the command line: None (the CPUs) or at least 1."""
+    if value is not None and value < 1:
+        raise UserError(f"{flag} must be >= 1, got {value}")
+    return value

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlmtrain.commands import output_file, workers
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pdf_dir", help="folder of PDF files (searched recursively)")
@@ -19,8 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from rlmtrain.envs.pdf import ingest_dir
 
+    out = output_file(args.out, "--out")
+
     summary = ingest_dir(
-        args.pdf_dir, args.out, workers=args.workers, progress=not args.no_progress
+        args.pdf_dir, out, workers=workers(args.workers), progress=not args.no_progress
     )
     print(summary.report())
     return 0 if summary.papers or not summary.skipped else 1

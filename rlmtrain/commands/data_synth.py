@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlmtrain.commands import workers
 from rlmtrain.errors import UserError
 
 
@@ -33,7 +34,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         args.out,
         groups=args.groups,
         seed=args.seed,
-        workers=args.workers,
+        workers=workers(args.workers),
         progress=not args.no_progress,
     )
     print(

@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from rlmtrain.commands import output_file
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.errors import UserError
 from rlmtrain.run_folder import RunFolder
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides.append(f"--eval.samples={args.samples}")
     if args.tasks is not None:
         overrides.append(f"--eval.tasks={args.tasks}")
+    if args.out:
+        output_file(args.out, "--out")
     config = load_config(args.config, overrides)
     report = evaluate_checkpoint(config, Path(args.checkpoint) if args.checkpoint else None)
     line = json.dumps(report)

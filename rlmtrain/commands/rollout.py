@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from rlmtrain.commands import output_file
 from rlmtrain.errors import UserError
 
 
@@ -33,10 +34,11 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be >= 1, got {args.limit}")
+    out = output_file(args.out, "--out")
     config = load_config(args.config, overrides)
     env = get_env(config.data.env, config)
     tasks = env.split_tasks(config, "rl")[: args.limit]
-    print(uvloop.run(_rollout(config, tasks, env, Path(args.out))))
+    print(uvloop.run(_rollout(config, tasks, env, out)))
     return 0
 
 

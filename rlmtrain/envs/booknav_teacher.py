@@ -1,7 +1,7 @@
 """A scripted BookNavigator teacher: the code an expert would type, one block per turn.
 
-Like every teacher it plays through the real scheduler (`teacher.py`), answering turn t with the
-t-th block of its plan. The plan never reads the REPL's output itself; what depends on the
+Like every teacher it plays through the real scheduler (`rollout/teaching.py`), answering turn t
+with the t-th block of its plan. The plan never reads the REPL's output itself; what depends on the
 output is in the code (REPL variables persist between turns), which is also the habit the
 student should learn.
 

@@ -4,7 +4,7 @@ The expert cuts the three names out of the REPL's `query` ("where does the funct
 file 'P' call 'B'?", names quoted), reads A's definition, lists the calls of A's body, keeps those
 whose callee is written B, and answers with the position: three turns whose code is the same for
 every question (what differs is in the REPL, not in the code), played through the real scheduler
-like every teacher (`teacher.py`).
+like every teacher (`rollout/teaching.py`).
 `list_calls` is the same AST index the gold answers come from, so the plan is exact wherever the
 task generator would ask; a question in any other form raises ValueError.
 """

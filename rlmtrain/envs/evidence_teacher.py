@@ -1,7 +1,7 @@
 """A scripted evidence-selection teacher: the code an expert would write, root and children.
 
-Like every teacher it plays through the real scheduler (`teacher.py`): `reply` reads the prompt
-as a policy would and answers with that turn's block of the plan. The plan never reads REPL
+Like every teacher it plays through the real scheduler (`rollout/teaching.py`): `reply` reads the
+prompt as a policy would and answers with that turn's block of the plan. The plan never reads REPL
 output itself: what depends on the papers is computed by the code (REPL variables persist
 between turns), the habit the student should learn.
 
@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -42,9 +41,6 @@ from rlmtrain.config import ConfigError, RolloutConfig
 from rlmtrain.envs.evidence_tasks import EvidenceTask
 from rlmtrain.envs.teacher import fenced_code, last_user_message, query_and_turn
 from rlmtrain.rlm.prompts import PromptStyle
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("rlmtrain")
 

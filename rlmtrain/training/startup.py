@@ -61,10 +61,15 @@ def check_run_rules(cfg: Config, device: torch.device) -> None:
 async def start_run(cfg: Config, world: parallel.World, device: torch.device) -> Run:
     check_served(cfg.judge)  # before the run writes anything
     env = get_env(cfg.data.env, cfg)
-    if cfg.train.sft_steps:
-        env.teacher(cfg.rollout)  # the env's rules for the run's limits
-    folder = RunFolder.of(cfg).make()
+    folder = RunFolder.of(cfg)
     resume_from = resume_point(cfg, folder)
+    if cfg.train.sft_steps and resume_from is None:
+        # The env's rules for the run's limits. A resumed run's teacher may never play (its
+        # checkpoint may be past SFT); where it does, it refuses the limits as it starts.
+        env.teacher(cfg.rollout)
+    folder.make()
+    if cfg.checkpoint.resume and resume_from is None:
+        log.info("checkpoint.resume: no checkpoint in %s yet, starting fresh", folder.root)
 
     # Rank 0 synthesises the data and trains the tokenizer; the others then read its files.
     tasks = on_main_first(world, lambda: task_sets(cfg, env))
@@ -107,13 +112,13 @@ async def start_run(cfg: Config, world: parallel.World, device: torch.device) ->
     engine = build_engine(cfg, tokenizer, device=device)
     try:
         runlog = RunLog(cfg, folder.root, rank0=world.is_main)
+        if resuming:
+            runlog.resume_after(state.phase, state.step)
+        else:
+            runlog.start_fresh()
     except BaseException:
         await engine.close()  # vLLM's engine processes would outlive the trainer
         raise
-    if resuming:
-        runlog.resume_after(state.phase, state.step)
-    else:
-        runlog.start_fresh()
     return Run(
         cfg=cfg,
         world=world,
@@ -204,8 +209,11 @@ def prepared_tokenizer(cfg: Config, env: Env) -> tuple[Config, Tokenizer]:
     command runs on a fresh folder and a later train on the same config finds the same ids."""
     folder = RunFolder.of(cfg)
     made = (folder.tokenizer / BPE_FILES[0]).is_file()
-    tasks = task_sets(cfg, env) if cfg.model.tokenizer == "bpe" and not made else None
-    training = [*tasks.sft, *tasks.rl] if tasks is not None else []
+    training: list[Task] = []
+    if cfg.model.tokenizer == "bpe" and not made:
+        tasks = task_sets(cfg, env)
+        training = [*tasks.sft, *tasks.rl]
+        folder.make()  # only to write the BPE in: a finished run's folder may be read-only
     world = parallel.World()
-    cfg, tokenizer, _ = run_tokenizer(cfg, env, training, folder.make(), world, resuming=made)
+    cfg, tokenizer, _ = run_tokenizer(cfg, env, training, folder, world, resuming=made)
     return cfg, tokenizer
