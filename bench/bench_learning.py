@@ -37,25 +37,28 @@ SEEDS = (0, 1, 2)
 def _run(seed: int, run_dir: Path, config: str = "configs/tiny-cpu.toml", *overrides: str):
     """{phase: held-out report} of one run, and its wall seconds under "wall_s"."""
     began = time.perf_counter()
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlmtrain",
-            "train",
-            "--config",
-            config,
-            f"--checkpoint.dir={run_dir}",
-            f"--train.seed={seed}",
-            f"--model.seed={seed}",
-            "--logging.progress=false",
-            *overrides,
-        ],
-        cwd=ROOT,
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The run's own log, kept: a run that fails (killed for memory, say) says why there.
+    with open(run_dir.parent / f"{run_dir.name}.log", "w") as run_log:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rlmtrain",
+                "train",
+                "--config",
+                config,
+                f"--checkpoint.dir={run_dir}",
+                f"--train.seed={seed}",
+                f"--model.seed={seed}",
+                "--logging.progress=false",
+                *overrides,
+            ],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=run_log,
+        )
     reports = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
     by_phase = {report["phase"]: report for report in reports}
     by_phase["wall_s"] = {"seconds": time.perf_counter() - began}
