@@ -322,7 +322,7 @@ def test_a_resume_into_another_model_shape_is_refused_in_one_line(
     result = _train(run, two_tasks, "--checkpoint.resume=true", "--model.vocab_size=4096")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]  # after the run's own log lines
-    assert line.startswith("rlmtrain: error: ") and "Size mismatch" in line, line
+    assert line.startswith("rlmtrain train: error: ") and "Size mismatch" in line, line
     assert str(run / "checkpoints" / "sft-000001") in line and "unreadable" in line, line
 
 
