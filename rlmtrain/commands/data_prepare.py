@@ -22,7 +22,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     env = get_env(config.data.env, config)
     folder = RunFolder.of(config).make()
     tasks = task_sets(config, env)
-    config, tokenizer = prepared_tokenizer(config, env)
+    config, tokenizer = prepared_tokenizer(config, env, tasks)
     for split, made in zip(("sft", "rl", "eval"), tasks, strict=True):
         if not made:
             print(f"{split:5s}     - (the config runs no {split} phase)")

@@ -47,6 +47,7 @@ async def _rollout(config: Any, tasks: list[Any], env: Any, out: Path) -> str:
     from rlmtrain.rollout.engines import build_engine
     from rlmtrain.rollout.progress import RolloutProgress
     from rlmtrain.rollout.scheduler import Scheduler
+    from rlmtrain.training.run import mean_or_nan
     from rlmtrain.training.startup import prepared_tokenizer
 
     config, tokenizer = prepared_tokenizer(config, env)
@@ -61,8 +62,7 @@ async def _rollout(config: Any, tasks: list[Any], env: Any, out: Path) -> str:
         await engine.close()
     written = write_groups(out, groups)
     scores = await env.root_scores(tasks, groups)
-    flat = [s for values in scores for s in values if s is not None]
-    reward = sum(flat) / len(flat) if flat else float("nan")
+    reward = mean_or_nan(s for values in scores for s in values if s is not None)
     return (
         f"wrote {written} groups to {out}\n{scheduler.metrics.line()}\n"
         f"mean root reward {reward:.4f}"

@@ -202,16 +202,19 @@ def run_tokenizer(
     return msgspec.structs.replace(cfg, model=model), tokenizer, trained
 
 
-def prepared_tokenizer(cfg: Config, env: Env) -> tuple[Config, Tokenizer]:
+def prepared_tokenizer(
+    cfg: Config, env: Env, tasks: TaskSets | None = None
+) -> tuple[Config, Tokenizer]:
     """The run's tokenizer for a command other than train (eval, rollout, data prepare): the
     one train made when the run folder has it, else made as train makes it (a BPE on the
-    config's SFT and RL tasks, synthesised into the run folder where the config says), so the
-    command runs on a fresh folder and a later train on the same config finds the same ids."""
+    config's SFT and RL tasks, synthesised into the run folder where the config says, or
+    `tasks` where the caller has read them already), so the command runs on a fresh folder and
+    a later train on the same config finds the same ids."""
     folder = RunFolder.of(cfg)
     made = (folder.tokenizer / BPE_FILES[0]).is_file()
     training: list[Task] = []
     if cfg.model.tokenizer == "bpe" and not made:
-        tasks = task_sets(cfg, env)
+        tasks = task_sets(cfg, env) if tasks is None else tasks
         training = [*tasks.sft, *tasks.rl]
         folder.make()  # only to write the BPE in: a finished run's folder may be read-only
     world = parallel.World()
