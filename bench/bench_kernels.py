@@ -21,21 +21,28 @@ both, TFLOP/s on the nominal counts 2·N·H·V forward and 6·N·H·V backward (
 the same for every implementation, % of the dense bf16 peak (the datasheet's and the measured
 matmul rate's), peak memory above inputs and gradients (torch.cuda peak stats); the GRPO loss
 alone in GB/s, per call and (replayed from a CUDA graph) for its kernels alone.
-`BENCH_TILES_JSON=file` runs the Triton kernels with the tile shapes and backward variant a
-sweep chose (bench/gpu/sweep_tiles.py); every figure records them.
+`BENCH_TILES_JSON=file` runs the Triton kernels with the tile shapes and variants a sweep chose
+(bench/gpu/sweep_tiles.py), passed to each call as its `Variants`; every figure records them.
 bench/gpu/run.sh runs all of it on a GPU machine in one call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import json
 import os
 
 import pytest
 import torch
-from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss, tiles
+from rlmtrain_kernels import (
+    Variants,
+    fused_linear_grpo_loss,
+    fused_linear_logprob,
+    grpo_loss,
+    tiles,
+)
 
 V = 151936
 DATASHEET_BF16_PEAK_FLOPS = 989.4e12  # H100/H200 SXM dense bf16, the vendor's figure
@@ -86,10 +93,10 @@ def grads_of(loss: torch.Tensor, inp: dict) -> tuple[torch.Tensor, torch.Tensor]
     return torch.autograd.grad(loss, (inp["hidden"], inp["weight"]))
 
 
-def ours_grpo(inp: dict, impl: str):
+def ours_grpo(inp: dict, impl: str, variants: Variants | None = None):
     loss, _ = fused_linear_grpo_loss(
         inp["hidden"], inp["weight"], inp["targets"], inp["old_logp"], inp["advantages"],
-        inp["weights"], clip_low=CLIP_LOW, clip_high=CLIP_HIGH, impl=impl,
+        inp["weights"], clip_low=CLIP_LOW, clip_high=CLIP_HIGH, impl=impl, variants=variants,
     )  # fmt: skip
     return grads_of(loss, inp)
 
@@ -256,10 +263,10 @@ CUDA_CASES = [(n, h) for h in (2560, 4096) for n in (4096, 16384, 65536)]
 NOMINAL_FLOPS = {"forward": 2, "backward": 6, "both": 8}  # times N*H*V
 
 
-def cuda_logprob_fn(impl: str):
+def cuda_logprob_fn(impl: str, variants: Variants):
     """(hidden, weight, targets) -> per-token log-probs [N] for each implementation."""
     if impl == "triton":
-        return lambda x, w, t: fused_linear_logprob(x, w, t, impl="triton")
+        return lambda x, w, t: fused_linear_logprob(x, w, t, impl="triton", variants=variants)
     if impl == "naive":
         return lambda x, w, t: torch.log_softmax((x @ w.T).float(), -1).gather(1, t[:, None])[:, 0]
     if impl == "cce":
@@ -272,27 +279,34 @@ def cuda_logprob_fn(impl: str):
 
 
 @pytest.fixture(scope="module")
-def cuda_tiles() -> dict:
-    """The Triton kernels' tiles and variants for this run: a sweep's winners when
-    BENCH_TILES_JSON names its output, else the committed defaults."""
+def cuda_variants() -> Variants:
+    """The Triton kernels' variants for this run: a sweep's winners when BENCH_TILES_JSON names
+    its output, else the defaults."""
     path = os.environ.get("BENCH_TILES_JSON")
-    if path:
-        with open(path) as f:
-            chosen = json.load(f)
-        tiles.CUDA_TILES.update(chosen["tiles"])
-        tiles.FORWARD_VARIANT = chosen["forward_variant"]
-        tiles.BACKWARD_VARIANT = chosen["backward_variant"]
-    used = {entry: dict(shape) for entry, shape in tiles.CUDA_TILES.items()}
-    return {
-        **used,
-        "forward_variant": tiles.FORWARD_VARIANT,
-        "backward_variant": tiles.BACKWARD_VARIANT,
-        "row_grads_variant": tiles.ROW_GRADS_VARIANT,
+    if not path:
+        return Variants()
+    with open(path) as f:
+        chosen = json.load(f)
+    return Variants(
+        forward=chosen["forward_variant"], backward=chosen["backward_variant"],
+        tiles=chosen["tiles"],
+    )  # fmt: skip
+
+
+def described(variants: Variants) -> dict:
+    """What a figure records of the variants it ran: each choice, and every bf16 kernel's tile
+    shape (the call's own, or the default table's)."""
+    cuda = torch.device("cuda")
+    shapes = {
+        k: tiles.tiles_for(cuda, k, torch.bfloat16, variants)
+        for k in ("forward", "backward", "dlogits")
     }
+    choices = {f.name: getattr(variants, f.name) for f in dataclasses.fields(variants)}
+    return {**choices, "tiles": shapes}
 
 
 def report_cuda(
-    benchmark, name: str, n: int, h: int, flops_factor: int, extra: int, tiles: dict
+    benchmark, name: str, n: int, h: int, flops_factor: int, extra: int, variants: Variants
 ) -> None:
     seconds = benchmark.stats.stats.median
     tflops = flops_factor * n * h * V / seconds / 1e12
@@ -301,7 +315,7 @@ def report_cuda(
         median_s=seconds, tflops=tflops, peak_extra_bytes=extra,
         pct_of_bf16_peak=100 * tflops * 1e12 / MEASURED_BF16_FLOPS,
         pct_of_datasheet_peak=100 * tflops * 1e12 / DATASHEET_BF16_PEAK_FLOPS,
-        name=name, tiles=tiles,
+        name=name, variants=described(variants),
     )  # fmt: skip
     benchmark.extra_info.update(info)
     print(
@@ -323,8 +337,8 @@ def cuda_peak_extra(fn, baseline: int, grad_bytes: int) -> int:
 @pytest.mark.parametrize("phase", list(NOMINAL_FLOPS))
 @pytest.mark.parametrize("impl", ["triton", "naive", "cce"])
 @pytest.mark.parametrize(("n", "h"), CUDA_CASES)
-def test_cuda_logprob(benchmark, cuda_tiles, impl, phase, n, h):
-    logprob = cuda_logprob_fn(impl)
+def test_cuda_logprob(benchmark, cuda_variants, impl, phase, n, h):
+    logprob = cuda_logprob_fn(impl, cuda_variants)
     inp = grpo_inputs(n, h, torch.bfloat16, "cuda")
     x, w, t = inp["hidden"], inp["weight"], inp["targets"]
     upstream = torch.randn(n, device="cuda")
@@ -360,33 +374,32 @@ def test_cuda_logprob(benchmark, cuda_tiles, impl, phase, n, h):
         torch.cuda.empty_cache()  # so that the next case starts from an unfragmented pool
         benchmark.extra_info.update(N=n, H=h, impl=impl, phase=phase, result="out of memory")
         pytest.skip(f"{impl} {phase} N={n} H={h}: out of memory")
-    report_cuda(benchmark, f"logprob {impl} {phase}", n, h, NOMINAL_FLOPS[phase], extra, cuda_tiles)
+    report_cuda(
+        benchmark, f"logprob {impl} {phase}", n, h, NOMINAL_FLOPS[phase], extra, cuda_variants
+    )
 
 
-def recompute_grpo(inp: dict):
+def recompute_grpo(inp: dict, variants: Variants):
     """Ours with the logits formed twice (forward kernel, backward recompute): 8·N·H·V."""
-    variant, tiles.ROW_GRADS_VARIANT = tiles.ROW_GRADS_VARIANT, "recompute"
-    try:
-        return ours_grpo(inp, "triton")
-    finally:
-        tiles.ROW_GRADS_VARIANT = variant
+    return ours_grpo(inp, "triton", dataclasses.replace(variants, row_grads="recompute"))
 
 
+# (inputs, the run's variants) -> gradients; the variants choose among ours' Triton paths only.
 CUDA_GRPO_IMPLS = {
-    "triton": lambda inp: ours_grpo(inp, "triton"),
+    "triton": lambda inp, variants: ours_grpo(inp, "triton", variants),
     "triton-recompute": recompute_grpo,
-    "naive": naive_grpo,
-    "liger": liger_grpo,
+    "naive": lambda inp, _: naive_grpo(inp),
+    "liger": lambda inp, _: liger_grpo(inp),
     # Liger's loss as its users run it, under torch.compile: compiled at the key shape only, since
     # each shape costs a compilation.
-    "liger-compiled": lambda inp: liger_grpo(inp, compiled=True),
+    "liger-compiled": lambda inp, _: liger_grpo(inp, compiled=True),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", list(CUDA_GRPO_IMPLS))
 @pytest.mark.parametrize(("n", "h"), CUDA_CASES)
-def test_cuda_fused_grpo_forward_backward(benchmark, cuda_tiles, impl, n, h):
+def test_cuda_fused_grpo_forward_backward(benchmark, cuda_variants, impl, n, h):
     if impl.startswith("liger") and not HAS_LIGER:
         pytest.skip("liger-kernel is not installed")
     if impl == "liger-compiled" and (n, h) != (16384, 2560):
@@ -395,7 +408,7 @@ def test_cuda_fused_grpo_forward_backward(benchmark, cuda_tiles, impl, n, h):
     grad_bytes = (inp["hidden"].numel() + inp["weight"].numel()) * 2
 
     def run():
-        CUDA_GRPO_IMPLS[impl](inp)
+        CUDA_GRPO_IMPLS[impl](inp, cuda_variants)
         torch.cuda.synchronize()
 
     try:
@@ -405,7 +418,9 @@ def test_cuda_fused_grpo_forward_backward(benchmark, cuda_tiles, impl, n, h):
         torch.cuda.empty_cache()  # so that the next case starts from an unfragmented pool
         benchmark.extra_info.update(N=n, H=h, impl=impl, result="out of memory")
         pytest.skip(f"{impl} N={n} H={h}: out of memory")
-    report_cuda(benchmark, f"grpo {impl} fwd+bwd", n, h, NOMINAL_FLOPS["both"], extra, cuda_tiles)
+    report_cuda(
+        benchmark, f"grpo {impl} fwd+bwd", n, h, NOMINAL_FLOPS["both"], extra, cuda_variants
+    )
 
 
 @pytest.mark.gpu

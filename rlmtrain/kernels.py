@@ -5,6 +5,7 @@ distribution built from the top-level `kernels/` folder, installable without the
 from rlmtrain_kernels import (
     GRPOMetrics,
     KernelBackendUnavailable,
+    Variants,
     fused_linear_grpo_loss,
     fused_linear_logprob,
     fused_linear_nll,
@@ -14,6 +15,7 @@ from rlmtrain_kernels import (
 __all__ = [
     "GRPOMetrics",
     "KernelBackendUnavailable",
+    "Variants",
     "fused_linear_grpo_loss",
     "fused_linear_logprob",
     "fused_linear_nll",

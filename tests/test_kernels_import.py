@@ -10,12 +10,14 @@ sees torch but not the trainer, then runs the README's "use the fused loss in yo
 example there.
 """
 
+import importlib.metadata
 import os
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import venv
 from pathlib import Path
 
@@ -46,6 +48,20 @@ def test_the_trainer_and_the_kernels_share_one_copy_of_the_ops():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "one copy" in result.stdout
+
+
+def test_one_distribution_owns_the_kernels_and_the_trainer_depends_on_it():
+    trainer = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    kernels = tomllib.loads((ROOT / "kernels" / "pyproject.toml").read_text())
+    assert kernels["tool"]["setuptools"]["packages"] == ["rlmtrain_kernels"]
+    setuptools = trainer["tool"]["setuptools"]
+    assert "rlmtrain_kernels" not in setuptools["packages"]
+    assert "rlmtrain_kernels" not in setuptools.get("package-dir", {})
+    pinned = f"{kernels['project']['name']}=={kernels['project']['version']}"
+    assert pinned in trainer["project"]["dependencies"]
+    # As installed: the trainer's metadata requires the kernels' distribution, which is there.
+    assert pinned in importlib.metadata.requires("rlmtrain")
+    assert importlib.metadata.version("rlmtrain-kernels") == kernels["project"]["version"]
 
 
 def _readme_example() -> str:

@@ -3,16 +3,17 @@ product fewer, the same gradients, a buffer of that slab's rows and no more, not
 no backward can come or under torch.compile, nothing held after the backward, and a retained
 graph's second backward forming every slab again."""
 
+import dataclasses
 import math
 import weakref
 
 import pytest
 import torch
-from rlmtrain_kernels import fused_linear_logprob, logit_slabs, tiles
+from rlmtrain_kernels import Variants, fused_linear_logprob, logit_slabs
 from rlmtrain_kernels.logit_slabs import _slabs
-from rlmtrain_kernels.logprob import _linear_logprob_bwd, _linear_logprob_fwd
 
 IGNORE = -100
+OPS = torch.ops.rlmtrain_kernels  # the custom ops the public op calls
 N, H, V = 150, 24, 1100
 # 135 trained rows and 40 * V fp32 logits a slab. Slabs of rows: 33, 34, 34 and 34 rows, a kept
 # buffer of 34. Slabs of columns (at most 325 for 135 rows, in steps of 64): 3 of 320 and the
@@ -24,13 +25,14 @@ KEPT = {"rows": (34, V), "columns": (135, 320)}
 
 @pytest.fixture(params=["rows", "columns"])
 def stored(monkeypatch, request, uninitialised_is_nan):
-    """The stored forward and backward cutting rows or columns, small slabs, and a log of the
-    slab products formed (their shapes)."""
-    monkeypatch.setattr(tiles, "FORWARD_VARIANT", "stored")
-    monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "stored")
-    monkeypatch.setattr(tiles, "LOGPROB_SLABS", request.param)
-    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", SLAB_BYTES)
-    formed, kept = SlabLog(SLABS[request.param], KEPT[request.param]), []
+    """A log of the slab products formed (their shapes), carrying the variants to call with: the
+    stored forward and backward cutting rows or columns into small slabs."""
+    variants = Variants(
+        forward="stored", backward="stored", logprob_slabs=request.param,
+        logit_slab_bytes=SLAB_BYTES,
+    )  # fmt: skip
+    formed = SlabLog(SLABS[request.param], KEPT[request.param], variants)
+    kept = []
     slab_logits, log_probs = logit_slabs._slab_logits, logit_slabs.log_probs
 
     def count_products(x, weight, out):
@@ -47,12 +49,12 @@ def stored(monkeypatch, request, uninitialised_is_nan):
 
 
 class SlabLog(list):
-    """The shapes of the slab products formed, those the forward forms (`expected`) and the
-    buffer it keeps (`kept`)."""
+    """The shapes of the slab products formed, those the forward forms (`expected`), the buffer
+    it keeps (`kept`) and the variants that cut them so."""
 
-    def __init__(self, expected: list[tuple[int, int]], kept: tuple[int, int]) -> None:
+    def __init__(self, expected: list[tuple[int, int]], kept: tuple[int, int], variants) -> None:
         super().__init__()
-        self.expected, self.kept = expected, kept
+        self.expected, self.kept, self.variants = expected, kept, variants
 
 
 def inputs(device="cpu"):
@@ -76,14 +78,11 @@ def test_slabs_are_even_the_larger_last_and_as_few_as_the_cap_allows():
             assert sizes == sorted(sizes) and (not sizes or sizes[-1] - sizes[0] <= 1)
 
 
-def test_column_slabs_are_aligned_as_few_as_the_cap_allows_and_cut_again_from_their_width(
-    monkeypatch,
-):
+def test_column_slabs_are_aligned_as_few_as_the_cap_allows_and_cut_again_from_their_width():
     align = logit_slabs.COLUMN_ALIGN
     for n, v, slab_bytes in [(1, 1000, 10**9), (135, 1100, SLAB_BYTES), (16384, 151936, 2 << 30),
                              (7, 64, 4 * 7 * 64), (3, 4099, 4 * 3 * 64)]:  # fmt: skip
-        monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", slab_bytes)
-        width = logit_slabs._column_width(n, v)
+        width = logit_slabs._column_width(n, v, slab_bytes)
         cuts = logit_slabs._columns(v, width)
         assert [c for s in cuts for c in range(s.start, s.stop)] == list(range(v))
         assert width % align == 0 and all(s.start % align == 0 for s in cuts)
@@ -99,7 +98,7 @@ def test_backward_takes_the_kept_slab_and_a_second_backward_forms_it_again(store
     formed, kept = stored
     hidden, weight, targets, (g, g_entropy) = inputs(device)
     logp, entropy = fused_linear_logprob(
-        hidden, weight, targets, return_entropy=True, impl="triton"
+        hidden, weight, targets, return_entropy=True, impl="triton", variants=formed.variants
     )
     assert formed == formed.expected
     assert kept[0]() is not None and kept[0]().shape == formed.kept
@@ -122,40 +121,44 @@ def test_backward_takes_the_kept_slab_and_a_second_backward_forms_it_again(store
 
 @pytest.mark.parametrize("why", ["no_grad", "frozen"])
 def test_a_forward_with_no_backward_to_come_keeps_nothing(stored, why):
-    _, kept = stored
+    formed, kept = stored
     hidden, weight, targets, _ = inputs()
+    call = dict(impl="triton", variants=formed.variants)
     if why == "no_grad":
         with torch.no_grad():
-            fused_linear_logprob(hidden, weight, targets, impl="triton")
+            fused_linear_logprob(hidden, weight, targets, **call)
     else:
-        fused_linear_logprob(hidden.detach(), weight.detach(), targets, impl="triton")
+        fused_linear_logprob(hidden.detach(), weight.detach(), targets, **call)
     assert kept == [None]
 
 
 def test_no_trained_row_keeps_an_empty_buffer(stored):
+    variants = stored[0].variants
     hidden, weight, targets, _ = inputs()
     targets = torch.full_like(targets, IGNORE)
-    _, _, _, kept = _linear_logprob_fwd(
-        hidden.detach(), weight.detach(), targets, 1.0, IGNORE, False, True, "triton"
-    )
+    _, _, _, kept = OPS.linear_logprob_fwd(
+        hidden.detach(), weight.detach(), targets, 1.0, IGNORE, False, True, "triton",
+        variants.spec,
+    )  # fmt: skip
     assert kept.shape == (0, V)
-    logp = fused_linear_logprob(hidden, weight, targets, impl="triton")
+    logp = fused_linear_logprob(hidden, weight, targets, impl="triton", variants=variants)
     grads = torch.autograd.grad(logp.sum(), (hidden, weight))
     assert all(not g.any() for g in grads)
 
 
 def test_ops_schemas_fakes_and_the_declared_mutation(stored):
+    spec = stored[0].variants.spec
     hidden, weight, targets, (g, _) = inputs()
     hidden, weight = hidden.detach(), weight.detach()
     torch.library.opcheck(
-        _linear_logprob_fwd, (hidden, weight, targets, 1.0, IGNORE, True, True, "triton")
+        OPS.linear_logprob_fwd, (hidden, weight, targets, 1.0, IGNORE, True, True, "triton", spec)
     )
-    _, _, lse, kept = _linear_logprob_fwd(
-        hidden, weight, targets, 1.0, IGNORE, False, True, "triton"
+    _, _, lse, kept = OPS.linear_logprob_fwd(
+        hidden, weight, targets, 1.0, IGNORE, False, True, "triton", spec
     )
     assert kept.shape == stored[0].kept
     torch.library.opcheck(
-        _linear_logprob_bwd,
+        OPS.linear_logprob_bwd,
         (
             hidden,
             weight,
@@ -170,6 +173,7 @@ def test_ops_schemas_fakes_and_the_declared_mutation(stored):
             True,
             True,
             "triton",
+            spec,
         ),
     )
 
@@ -181,7 +185,9 @@ def test_compiled_step_keeps_nothing_and_equals_eager(stored):
     hidden, weight, targets, (g, g_entropy) = inputs()
 
     def step(x, w):
-        logp, entropy = fused_linear_logprob(x, w, targets, return_entropy=True, impl="triton")
+        logp, entropy = fused_linear_logprob(
+            x, w, targets, return_entropy=True, impl="triton", variants=formed.variants
+        )
         return (logp * g).sum() + (entropy * g_entropy).sum()
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -196,21 +202,34 @@ def test_compiled_step_keeps_nothing_and_equals_eager(stored):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_the_backward_cuts_as_the_forward_that_kept_the_slab(stored, monkeypatch):
-    """Flipping `tiles.LOGPROB_SLABS` between a forward and its backward changes nothing: the
-    kept buffer's shape, not the setting, tells the backward how its slabs were cut."""
+def test_interleaved_calls_each_cut_as_their_own_variants_say(stored):
+    """Two calls with different slabs (rows and columns), both forwards before either backward:
+    each backward cuts as its own forward did and gives what it gives alone; neither call's
+    choice reaches the other."""
     formed, _ = stored
+    mine = formed.variants
+    other = dataclasses.replace(
+        mine, logprob_slabs="rows" if mine.logprob_slabs == "columns" else "columns"
+    )
     hidden, weight, targets, (g, g_entropy) = inputs()
-    grads = []
-    for flip in (False, True):
+
+    def grads_alone(variants):
         logp, entropy = fused_linear_logprob(
-            hidden, weight, targets, return_entropy=True, impl="triton"
+            hidden, weight, targets, return_entropy=True, impl="triton", variants=variants
         )
-        if flip:
-            other = "rows" if tiles.LOGPROB_SLABS == "columns" else "columns"
-            monkeypatch.setattr(tiles, "LOGPROB_SLABS", other)
-        formed.clear()
-        grads.append(torch.autograd.grad((logp, entropy), (hidden, weight), (g, g_entropy)))
-        assert sorted(formed) == sorted(formed.expected[:-1])
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        return torch.autograd.grad((logp, entropy), (hidden, weight), (g, g_entropy))
+
+    alone = [grads_alone(v) for v in (mine, other)]
+    outputs = [
+        fused_linear_logprob(
+            hidden, weight, targets, return_entropy=True, impl="triton", variants=v
+        )
+        for v in (mine, other)
+    ]
+    formed.clear()
+    together = [torch.autograd.grad(out, (hidden, weight), (g, g_entropy)) for out in outputs]
+    # Each backward forms every slab but the one its forward kept, mine cut as `mine` says.
+    assert sorted(formed[: len(formed.expected) - 1]) == sorted(formed.expected[:-1])
+    for solo, interleaved in zip(alone, together, strict=True):
+        for a, b in zip(solo, interleaved, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -4,7 +4,7 @@ is no multiple of the row kernels' block, and rows that must not overflow."""
 
 import pytest
 import torch
-from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_nll, logit_slabs, tiles
+from rlmtrain_kernels import Variants, fused_linear_grpo_loss, fused_linear_nll, logit_slabs
 
 from tests.test_kernels_fused import train_lm_head
 
@@ -61,12 +61,12 @@ def grpo_truth(hidden, weight, targets, tok, temperature):
     return loss, *torch.autograd.grad(loss, (x, w))
 
 
-def fused_grpo(hidden, weight, targets, tok, temperature):
+def fused_grpo(hidden, weight, targets, tok, temperature, variants):
     x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss, metrics, entropy = fused_linear_grpo_loss(
         x, w, targets, tok["old_logp"], tok["advantages"], tok["weights"],
         ref_logp=tok["ref_logp"], sampler_logp=tok["sampler_logp"], temperature=temperature,
-        return_entropy=True, impl="triton", **GRPO_OPTIONS,
+        return_entropy=True, impl="triton", variants=variants, **GRPO_OPTIONS,
     )  # fmt: skip
     return loss, *torch.autograd.grad(loss, (x, w)), entropy, metrics
 
@@ -79,7 +79,7 @@ def test_stored_logits_grpo_matches_fp64_truth_and_the_recompute_path(
     # 2 500 columns: the interpreter's 1 024-column blocks end in a partial one (the compiled
     # kernels' 2 048 likewise). Slabs of 7 rows: 31 trained rows make 5 slabs, the last partial.
     hidden, weight, targets, tok = batch(36, 40, 2500, dtype, device)
-    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 7 * 4 * 2500)
+    slab_bytes = 7 * 4 * 2500
     original, ran = logit_slabs.row_grads, []
 
     def spy(*args, **kwargs):
@@ -87,12 +87,12 @@ def test_stored_logits_grpo_matches_fp64_truth_and_the_recompute_path(
         return original(*args, **kwargs)
 
     monkeypatch.setattr(logit_slabs, "row_grads", spy)
-    monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "stored")
-    loss, dx, dw, entropy, metrics = fused_grpo(hidden, weight, targets, tok, temperature=0.8)
+    stored = Variants(row_grads="stored", logit_slab_bytes=slab_bytes)
+    loss, dx, dw, entropy, metrics = fused_grpo(hidden, weight, targets, tok, 0.8, stored)
     assert ran, "the stored-logits path did not run"
-    monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "recompute")
+    recompute = Variants(row_grads="recompute", logit_slab_bytes=slab_bytes)
     loss_r, dx_r, dw_r, entropy_r, metrics_r = fused_grpo(
-        hidden, weight, targets, tok, temperature=0.8
+        hidden, weight, targets, tok, 0.8, recompute
     )
     assert len(ran) == 1
 
@@ -110,12 +110,13 @@ def test_stored_logits_grpo_matches_fp64_truth_and_the_recompute_path(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_stored_logits_nll_matches_fp64_truth(monkeypatch, uninitialised_is_nan, dtype, device):
+def test_stored_logits_nll_matches_fp64_truth(uninitialised_is_nan, dtype, device):
     hidden, weight, targets, tok = batch(19, 33, 1500, dtype, device, seed=2)
-    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 5 * 4 * 1500)
-    monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "stored")
+    stored = Variants(row_grads="stored", logit_slab_bytes=5 * 4 * 1500)
     x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = fused_linear_nll(x, w, targets, tok["weights"], temperature=1.3, impl="triton")
+    loss = fused_linear_nll(
+        x, w, targets, tok["weights"], temperature=1.3, impl="triton", variants=stored
+    )
     dx, dw = torch.autograd.grad(loss, (x, w))
 
     x2, w2 = hidden.double().requires_grad_(), weight.double().requires_grad_()
@@ -179,25 +180,27 @@ def test_row_kernels_write_every_entry_and_survive_huge_logits(device, with_entr
 
 
 def test_fp32_inputs_keep_the_exact_kernels():
-    assert not tiles.stores_logits("stored", torch.float32)
-    assert tiles.stores_logits("stored", torch.bfloat16)
-    assert not tiles.stores_logits("recompute", torch.bfloat16)
+    for stage in ("forward", "backward", "row_grads"):
+        assert not Variants().stores_logits(stage, torch.float32)
+        assert Variants().stores_logits(stage, torch.bfloat16)
+    assert not Variants(row_grads="recompute").stores_logits("row_grads", torch.bfloat16)
+    assert not Variants(forward="kernel").stores_logits("forward", torch.float16)
 
 
-def test_bf16_training_loop_stored_equals_recompute_step_for_step(monkeypatch):
+def test_bf16_training_loop_stored_equals_recompute_step_for_step():
     """Six AdamW steps of a bf16 head (fp32 master weights, cast for the loss, as FSDP2's mixed
     precision does) under each row-gradient variant: the same losses and weights, step for step,
     to bf16's rounding of the logit gradients."""
 
-    def bf16_grpo(hidden, head, targets, old_logp, advantages, weights):
-        loss, _ = fused_linear_grpo_loss(
-            hidden.to(torch.bfloat16), head.to(torch.bfloat16), targets, old_logp, advantages,
-            weights, clip_high=0.28, impl="triton",
-        )  # fmt: skip
-        return loss
-
     def train(variant: str) -> tuple[list[float], list[torch.Tensor]]:
-        monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", variant)
+        def bf16_grpo(hidden, head, targets, old_logp, advantages, weights):
+            loss, _ = fused_linear_grpo_loss(
+                hidden.to(torch.bfloat16), head.to(torch.bfloat16), targets, old_logp,
+                advantages, weights, clip_high=0.28, impl="triton",
+                variants=Variants(row_grads=variant),
+            )  # fmt: skip
+            return loss
+
         return train_lm_head(bf16_grpo, v=1100)
 
     stored, stored_params = train("stored")
@@ -210,20 +213,19 @@ def test_bf16_training_loop_stored_equals_recompute_step_for_step(monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("frozen", ["head", "trunk"])
-def test_stored_logits_with_one_gradient_wanted(monkeypatch, uninitialised_is_nan, frozen, device):
+def test_stored_logits_with_one_gradient_wanted(uninitialised_is_nan, frozen, device):
     """A frozen head (no dW) or frozen hidden states (no dX): the other gradient alone, the same
     as the chunked torch backend's."""
     hidden, weight, targets, tok = batch(29, 24, 1300, torch.bfloat16, device, seed=4)
-    monkeypatch.setattr(logit_slabs, "LOGIT_SLAB_BYTES", 6 * 4 * 1300)
+    stored = Variants(row_grads="stored", logit_slab_bytes=6 * 4 * 1300)
 
     def grad(impl: str) -> torch.Tensor:
         x = hidden.clone().requires_grad_(frozen == "head")
         w = weight.clone().requires_grad_(frozen == "trunk")
         loss, _ = fused_linear_grpo_loss(
-            x, w, targets, None, tok["advantages"], tok["weights"], impl=impl
+            x, w, targets, None, tok["advantages"], tok["weights"], impl=impl, variants=stored
         )
         (out,) = torch.autograd.grad(loss, (x if frozen == "head" else w,))
         return out
 
-    monkeypatch.setattr(tiles, "ROW_GRADS_VARIANT", "stored")
     assert rel_err(grad("triton"), grad("torch")) < 1e-2

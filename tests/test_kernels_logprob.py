@@ -11,9 +11,9 @@ import pytest
 import torch
 from rlmtrain_kernels import (
     KernelBackendUnavailable,
+    Variants,
     fused_linear_logprob,
     logit_slabs,
-    logprob_slabs,
     reference,
     tiles,
 )
@@ -86,7 +86,7 @@ TRITON_CASES = [
 ]
 
 
-def check_against_truth(impl, n, h, v, dtype, device):
+def check_against_truth(impl, n, h, v, dtype, device, variants=None):
     hidden, weight, targets, g_logp, g_ent = make_inputs(n, h, v, dtype, device)
     truth = value_and_grads(
         lambda x, w: full_logits_logprob(x, w, targets, TEMPERATURE),
@@ -104,7 +104,13 @@ def check_against_truth(impl, n, h, v, dtype, device):
     )
     ours = value_and_grads(
         lambda x, w: fused_linear_logprob(
-            x, w, targets, temperature=TEMPERATURE, return_entropy=True, impl=impl
+            x,
+            w,
+            targets,
+            temperature=TEMPERATURE,
+            return_entropy=True,
+            impl=impl,
+            variants=variants,
         ),
         hidden,
         weight,
@@ -294,22 +300,18 @@ def test_bad_inputs_are_named():
 def test_the_fake_declares_the_dtypes_the_op_returns():
     """fp64 inputs (the gradcheck path) give fp64 outputs; the fake, which torch.compile plans
     with, must say so."""
-    from rlmtrain_kernels.logprob import _linear_logprob_fwd
-
     hidden, weight, targets, _, _ = make_inputs(3, 16, 40, torch.float64, "cpu")
-    args = (hidden.detach(), weight.detach(), targets, 1.0, IGNORE, True, False, "torch")
-    assert [t.dtype for t in _linear_logprob_fwd(*args)][:3] == [torch.float64] * 3
-    torch.library.opcheck(_linear_logprob_fwd, args)
-    from rlmtrain_kernels.fused_grpo import _linear_grpo_fwd
-    from rlmtrain_kernels.fused_nll import _linear_nll_fwd
-
+    ops, spec = torch.ops.rlmtrain_kernels, Variants().spec
+    args = (hidden.detach(), weight.detach(), targets, 1.0, IGNORE, True, False, "torch", spec)
+    assert [t.dtype for t in ops.linear_logprob_fwd(*args)][:3] == [torch.float64] * 3
+    torch.library.opcheck(ops.linear_logprob_fwd, args)
     ones = torch.ones(3)
-    nll_args = (*args[:3], ones, 1.0, IGNORE, True, True, True, "torch")
-    assert {t.dtype for t in _linear_nll_fwd(*nll_args)} == {torch.float64}
-    torch.library.opcheck(_linear_nll_fwd, nll_args)
+    nll_args = (*args[:3], ones, 1.0, IGNORE, True, True, True, "torch", spec)
+    assert {t.dtype for t in ops.linear_nll_fwd(*nll_args)} == {torch.float64}
+    torch.library.opcheck(ops.linear_nll_fwd, nll_args)
     grpo_args = (*args[:3], torch.zeros(3), ones, ones, None, None, 1.0, IGNORE, 0.0, 0.2, 0.2,
-                 None, None, True, True, True, "torch")  # fmt: skip
-    torch.library.opcheck(_linear_grpo_fwd, grpo_args)
+                 None, None, True, True, True, "torch", spec)  # fmt: skip
+    torch.library.opcheck(ops.linear_grpo_fwd, grpo_args)
 
 
 def test_imports_and_runs_without_triton():
@@ -349,27 +351,25 @@ def test_triton_grouped_program_order(monkeypatch, group_n):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("variant", ["atomic", "slabs"])
-def test_triton_cuda_tile_shapes(monkeypatch, variant, dtype):
-    """The CUDA tile tables' shapes, in the interpreter: partial row tiles and partial hidden
-    slices at each width the tables use."""
+def test_triton_cuda_tile_shapes(variant, dtype):
+    """The CUDA tile tables' shapes, named per call, in the interpreter: partial row tiles and
+    partial hidden slices at each width the tables use."""
     table = tiles.CUDA_TILES_FP32 if dtype == torch.float32 else tiles.CUDA_TILES
-    monkeypatch.setattr(tiles, "BACKWARD_VARIANT", variant)
-    monkeypatch.setattr(tiles, "INTERPRETER_TILES", table)
-    check_against_truth("triton", 300, 67, 1001, dtype, "cpu")
+    variants = Variants(forward="kernel", backward=variant, tiles=table)
+    check_against_truth("triton", 300, 67, 1001, dtype, "cpu", variants)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("n", "h", "v", "dtype"), TRITON_CASES)
 @pytest.mark.parametrize("variant", ["atomic", "slabs"])
 def test_triton_backward_variants_match_fp64_truth(
-    monkeypatch, uninitialised_is_nan, variant, n, h, v, dtype, device
+    uninitialised_is_nan, variant, n, h, v, dtype, device
 ):
     """Both Triton-GEMM backward variants, whichever is the default; the slabs cut small (32 rows
     in the interpreter, one row tile on CUDA) so that a call spans several and dW accumulates
     across them."""
-    monkeypatch.setattr(tiles, "BACKWARD_VARIANT", variant)
-    monkeypatch.setattr(logprob_slabs, "SLAB_BYTES", 40 * v * 2)
-    check_against_truth("triton", n, h, v, dtype, device)
+    variants = Variants(backward=variant, grad_slab_bytes=40 * v * 2)
+    check_against_truth("triton", n, h, v, dtype, device, variants)
 
 
 STORED_CASES = [c for c in TRITON_CASES if c[3] != torch.float32] + [(37, 40, 2500, torch.float16)]
@@ -395,12 +395,12 @@ def test_triton_stored_variants_match_fp64_truth(
 
         monkeypatch.setattr(logit_slabs, name, spy)
     # The other half takes its Triton GEMM variant, whichever the defaults are.
-    monkeypatch.setattr(tiles, "FORWARD_VARIANT", "kernel" if stored == "backward" else "stored")
-    monkeypatch.setattr(tiles, "BACKWARD_VARIANT", "slabs" if stored == "forward" else "stored")
-    monkeypatch.setattr(tiles, "LOGPROB_SLABS", slabs)
-    monkeypatch.setattr(
-        logit_slabs, "LOGIT_SLAB_BYTES", (40 * v if slabs == "rows" else 300 * n) * 4
+    variants = Variants(
+        forward="kernel" if stored == "backward" else "stored",
+        backward="slabs" if stored == "forward" else "stored",
+        logprob_slabs=slabs,
+        logit_slab_bytes=(40 * v if slabs == "rows" else 300 * n) * 4,
     )
-    check_against_truth("triton", n, h, v, dtype, device)
+    check_against_truth("triton", n, h, v, dtype, device, variants)
     expected = {"forward": {"log_probs"}, "backward": {"accumulate_grads"}}
     assert set(calls) == expected.get(stored, {"log_probs", "accumulate_grads"})

@@ -8,7 +8,7 @@ truncated IS and the dual clip all on, on both backends, with and without ignore
 
 import pytest
 import torch
-from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_logprob, grpo_loss
+from rlmtrain_kernels import Variants, fused_linear_grpo_loss, fused_linear_logprob, grpo_loss
 
 IMPLS = ["torch", "triton"]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -163,5 +163,5 @@ def test_opcheck_accepts_old_logp_none():
     torch.library.opcheck(
         torch.ops.rlmtrain_kernels.linear_grpo_fwd,
         (hidden, weight, targets, None, adv, w_tok, ref, sampler, TEMPERATURE, IGNORE, *grpo,
-         True, True, True, "torch"),
+         True, True, True, "torch", Variants().spec),
     )  # fmt: skip

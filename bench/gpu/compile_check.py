@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import triton
-from rlmtrain_kernels import logit_slabs, logprob, logprob_slabs, tiles
+from rlmtrain_kernels import Variants, logit_slabs, logprob, logprob_slabs, tiles
 from rlmtrain_kernels.grpo_loss import BLOCK as GRPO_BLOCK
 from rlmtrain_kernels.grpo_loss import NUM_METRIC_SUMS, _grpo_loss_kernel
 from triton.backends.compiler import GPUTarget
@@ -115,7 +115,7 @@ def _resource_usage(cubin: bytes) -> dict:
 def committed_shapes() -> list[tuple[str, dict, str]]:
     cuda = torch.device("cuda")  # only names the table to read; no device is touched
     linear = [
-        (entry, tiles.tiles_for(cuda, entry, getattr(torch, dtype)), dtype)
+        (entry, tiles.tiles_for(cuda, entry, getattr(torch, dtype), Variants()), dtype)
         for entry in ("forward", "backward", "dlogits")
         for dtype in TRITON_TYPES
     ]

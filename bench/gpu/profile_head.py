@@ -4,7 +4,7 @@ then the CUDA kernels of one call of the default path, by total time (torch.prof
 `--op grpo`: the fused GRPO loss, forward+backward, with each row-gradient variant and several
 logit-slab sizes. `--op logprob`: the log-prob op (autograd), forward alone, then forward+backward
 with and without the forward's last logit slab kept for the backward, each with slabs of rows and
-of vocabulary columns (`tiles.LOGPROB_SLABS`).
+of vocabulary columns (`Variants.logprob_slabs`).
 
 Run: `python3 bench/gpu/profile_head.py [--op grpo|logprob] [--n 16384] [--h 2560] [--out F]`.
 """
@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable
 
 import torch
-from rlmtrain_kernels import fused_linear_grpo_loss, fused_linear_logprob, logit_slabs, tiles
+from rlmtrain_kernels import Variants, fused_linear_grpo_loss, fused_linear_logprob
 from rlmtrain_kernels.logprob import LinearLogprobFunction
 from triton.testing import do_bench
 
@@ -41,65 +41,53 @@ def inputs(n: int, h: int) -> dict[str, torch.Tensor]:
 def grpo_cases(d: dict) -> list[tuple[str, int, Callable[[], None]]]:
     """(label, nominal FLOPs in units of NHV, step) for each variant; the default one last."""
 
-    def step():
-        loss, _ = fused_linear_grpo_loss(
-            d["x"], d["w"], d["t"], d["old"], d["adv"], d["weights"], impl="triton"
-        )
-        torch.autograd.grad(loss, (d["x"], d["w"]))
+    def step_with(variants: Variants) -> Callable[[], None]:
+        def step():
+            loss, _ = fused_linear_grpo_loss(
+                d["x"], d["w"], d["t"], d["old"], d["adv"], d["weights"], impl="triton",
+                variants=variants,
+            )  # fmt: skip
+            torch.autograd.grad(loss, (d["x"], d["w"]))
 
-    def with_settings(variant: str, slab_gib: int | None):
-        def run():
-            default = tiles.ROW_GRADS_VARIANT, logit_slabs.LOGIT_SLAB_BYTES
-            tiles.ROW_GRADS_VARIANT = variant
-            if slab_gib is not None:
-                logit_slabs.LOGIT_SLAB_BYTES = slab_gib << 30
-            try:
-                step()
-            finally:
-                tiles.ROW_GRADS_VARIANT, logit_slabs.LOGIT_SLAB_BYTES = default
+        return step
 
-        return run
-
-    cases = [("grpo fwd+bwd recompute", 8, with_settings("recompute", None))]
+    cases = [("grpo fwd+bwd recompute", 8, step_with(Variants(row_grads="recompute")))]
     cases += [
-        (f"grpo fwd+bwd stored, slab {gib} GiB", 8, with_settings("stored", gib)) for gib in (1, 4)
+        (f"grpo fwd+bwd stored, slab {gib} GiB", 8, step_with(Variants(logit_slab_bytes=gib << 30)))
+        for gib in (1, 4)
     ]
-    return [*cases, ("grpo fwd+bwd stored, slab 2 GiB (default)", 8, step)]
+    default_gib = Variants().logit_slab_bytes >> 30
+    return [*cases, (f"grpo fwd+bwd stored, slab {default_gib} GiB (default)", 8, step_with(None))]
 
 
 def logprob_cases(d: dict) -> list[tuple[str, int, Callable[[], None]]]:
-    def forward():
-        with torch.no_grad():
-            fused_linear_logprob(d["x"], d["w"], d["t"], impl="triton")
+    def forward(variants: Variants) -> Callable[[], None]:
+        def run():
+            with torch.no_grad():
+                fused_linear_logprob(d["x"], d["w"], d["t"], impl="triton", variants=variants)
 
-    def both(keep: bool):
+        return run
+
+    def both(keep: bool, variants: Variants) -> Callable[[], None]:
         def run():
             logp, _ = LinearLogprobFunction.apply(
-                d["x"], d["w"], d["t"], 1.0, -100, False, keep, "triton"
+                d["x"], d["w"], d["t"], 1.0, -100, False, keep, "triton", variants.spec
             )
             torch.autograd.grad(logp, (d["x"], d["w"]), d["g"])
 
         return run
 
-    def cutting(slabs: str, run: Callable[[], None]) -> Callable[[], None]:
-        def with_slabs():
-            default, tiles.LOGPROB_SLABS = tiles.LOGPROB_SLABS, slabs
-            try:
-                run()
-            finally:
-                tiles.LOGPROB_SLABS = default
-
-        return with_slabs
-
-    default = tiles.LOGPROB_SLABS
-    other = "columns" if default == "rows" else "rows"
+    default = Variants()
+    other = "columns" if default.logprob_slabs == "rows" else "rows"
+    cut_other = Variants(logprob_slabs=other)
     return [
-        ("logprob forward", 2, forward),
-        (f"logprob forward, slabs of {other}", 2, cutting(other, forward)),
-        ("logprob fwd+bwd, nothing kept", 8, both(False)),
-        (f"logprob fwd+bwd, slabs of {other}, last kept", 8, cutting(other, both(True))),
-        (f"logprob fwd+bwd, slabs of {default}, last kept (default)", 8, both(True)),
-    ]
+        ("logprob forward", 2, forward(default)),
+        (f"logprob forward, slabs of {other}", 2, forward(cut_other)),
+        ("logprob fwd+bwd, nothing kept", 8, both(False, default)),
+        (f"logprob fwd+bwd, slabs of {other}, last kept", 8, both(True, cut_other)),
+        (f"logprob fwd+bwd, slabs of {default.logprob_slabs}, last kept (default)", 8,
+         both(True, default)),
+    ]  # fmt: skip
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """Times the log-prob kernels' candidate tile shapes, and the forward and backward variants, at
 one training shape, and keeps the fastest correct choice for the forward and for the backward.
 
-Each candidate sets its stage's variant (`tiles.FORWARD_VARIANT`: "kernel" or "stored";
-`tiles.BACKWARD_VARIANT`: "atomic" tiles the "backward" kernel, "slabs" the "dlogits" one,
-"stored" has no tiles) and replaces one entry of `tiles.CUDA_TILES` where it has one. It is
+Each candidate is a `Variants`: its stage's choice (`forward`: "kernel" or "stored"; `backward`:
+"atomic" tiles the "backward" kernel, "slabs" the "dlogits" one, "stored" has no tiles) and, where
+it has one, the tile shape of that kernel (`Variants.tiles`). It is
 checked against the chunked torch backend on the same inputs (relative error under 1e-4 for
 log-probs, 1e-2 for the gradients, whose dot operands are rounded to bf16); a candidate that
 computes something else is dropped, as is one that does not compile (shared memory, say). Then
@@ -19,7 +19,7 @@ import argparse
 import json
 
 import torch
-from rlmtrain_kernels import logprob, reference, tiles
+from rlmtrain_kernels import Variants, logprob, reference
 from triton.testing import do_bench
 
 V = 151936
@@ -31,8 +31,8 @@ def tile(n: int, v: int, h: int, warps: int, stages: int, h_out: int | None = No
     return shape if h_out is None else {**shape, "BLOCK_H_OUT": h_out}
 
 
-# (stage, variant, CUDA_TILES entry or None, tile shape or None); the first of each stage is
-# committed.
+# (stage, variant, tiled kernel or None, tile shape or None); a variant's first shape is its
+# default one (tiles.CUDA_TILES).
 CANDIDATES = [
     *(("forward", "kernel", "forward", tile(*t)) for t in [
         (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3),
@@ -55,14 +55,16 @@ def inputs(n: int, h: int) -> dict[str, torch.Tensor]:
     return dict(x=x, w=w, t=t, g=g)
 
 
-def forward(d):
-    return logprob.logprob_forward_triton(d["x"], d["w"], d["t"], with_entropy=False, **OPTIONS)
+def forward(d, variants: Variants):
+    return logprob.logprob_forward_triton(
+        d["x"], d["w"], d["t"], with_entropy=False, variants=variants, **OPTIONS
+    )
 
 
-def backward(d, lse):
+def backward(d, lse, variants: Variants):
     return logprob.logprob_backward_triton(
         d["x"], d["w"], d["t"], lse, None, d["g"], None,
-        need_grad_hidden=True, need_grad_weight=True, **OPTIONS,
+        need_grad_hidden=True, need_grad_weight=True, variants=variants, **OPTIONS,
     )  # fmt: skip
 
 
@@ -81,28 +83,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def try_candidate(stage, variant, entry, shape, d, ref, flops) -> dict:
-    committed = (tiles.FORWARD_VARIANT, tiles.BACKWARD_VARIANT, dict(tiles.CUDA_TILES))
-    if entry is not None:
-        tiles.CUDA_TILES[entry] = dict(shape)
-    if stage == "forward":
-        tiles.FORWARD_VARIANT = variant
-    else:
-        tiles.BACKWARD_VARIANT = variant
+    variants = Variants(**{stage: variant}, tiles={entry: shape} if entry is not None else {})
     row = dict(stage=stage, variant=variant, entry=entry, tiles=shape)
     try:
         if stage == "forward":
-            logp, _, _ = forward(d)
+            logp, _, _ = forward(d, variants)
             row["rel_err"] = rel_err(logp, ref["logp"])
-            run, tolerance = (lambda: forward(d)), 1e-4
+            run, tolerance = (lambda: forward(d, variants)), 1e-4
         else:
-            dx, dw = backward(d, ref["lse"])
+            dx, dw = backward(d, ref["lse"], variants)
             row["rel_err"] = max(rel_err(dx, ref["dx"]), rel_err(dw, ref["dw"]))
-            run, tolerance = (lambda: backward(d, ref["lse"])), 1e-2
+            run, tolerance = (lambda: backward(d, ref["lse"], variants)), 1e-2
         ms = do_bench(run, warmup=25, rep=200, return_mode="median")
         row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, ok=row["rel_err"] < tolerance)
     except Exception as exc:  # a shape that does not compile or launch is reported, not fatal
         row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:120]}")
-    tiles.FORWARD_VARIANT, tiles.BACKWARD_VARIANT, tiles.CUDA_TILES = committed
     print(json.dumps(row), flush=True)
     return row
 
@@ -123,7 +118,7 @@ def main() -> None:
         if args.out:  # after each candidate: a run cut short still leaves what it measured
             write(args.out, choose(results), results)
     chosen = choose(results)
-    print(f"\ntile sweep N={args.n} H={args.h} V={V} bf16 (first row of each stage: committed)")
+    print(f"\ntile sweep N={args.n} H={args.h} V={V} bf16 (a variant's first shape: its default)")
     for stage in ("forward", "backward"):
         for r in (r for r in results if r["stage"] == stage):
             timing = f"{r['ms']:8.2f} ms {r['tflops']:5.0f} TFLOP/s" if "ms" in r else "failed"
@@ -141,8 +136,8 @@ def choose(results: list[dict]) -> dict:
     """The fastest correct candidate of each stage, as the tile entries and variant to use."""
     chosen = {
         "tiles": {},
-        "forward_variant": tiles.FORWARD_VARIANT,
-        "backward_variant": tiles.BACKWARD_VARIANT,
+        "forward_variant": Variants().forward,
+        "backward_variant": Variants().backward,
         "best": {},
     }
     for stage in ("forward", "backward"):

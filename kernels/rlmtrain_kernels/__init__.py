@@ -8,26 +8,27 @@ fp32), targets [N] int token ids; every per-token tensor is [N]; log-probs, entr
 metrics come back in fp32.
 
     fused_linear_logprob(hidden, weight, targets, *, temperature=1.0, return_entropy=False,
-                         ignore_index=-100, impl="auto") -> logp [N] (, entropy [N])
+                         ignore_index=-100, impl="auto", variants=None) -> logp [N] (, entropy [N])
     grpo_loss(logp, old_logp | None, advantages, weights, *, ref_logp=None, beta=0.0,
               clip_low=0.2, clip_high=0.2, dual_clip=None, sampler_logp=None, tis_cap=None,
               impl="auto") -> (loss [], GRPOMetrics)
     fused_linear_grpo_loss(hidden, weight, targets, old_logp | None, advantages, weights, *,
               <grpo options>, temperature=1.0, ignore_index=-100, return_entropy=False,
-              impl="auto") -> (loss [], GRPOMetrics (, entropy [N]))
+              impl="auto", variants=None) -> (loss [], GRPOMetrics (, entropy [N]))
     fused_linear_nll(hidden, weight, targets, weights, *, temperature=1.0, ignore_index=-100,
-                     return_entropy=False, impl="auto") -> loss [] (, entropy [N])
+                     return_entropy=False, impl="auto", variants=None) -> loss [] (, entropy [N])
 
 impl: "triton" runs the Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1) and raises
 `KernelBackendUnavailable` where it cannot; "torch" runs the chunked torch backend; "auto" picks
-Triton on CUDA and torch elsewhere. All ops are torch.library custom ops, so torch.compile traces
-callers without graph breaks. old_logp=None means pi_old is the detached current policy (one
-update per rollout batch; the ratio is 1, its gradient the policy gradient). Rows whose target is
-`ignore_index` never reach the head (`rows.TrainedRows`). The Triton tiles and variants live in
-`tiles`: the backward writes a slab of logit gradients bounded by `logprob_slabs.SLAB_BYTES`
-(or adds its products with atomics, or forms the slab from stored fp32 logits), and the fused
-losses on 16-bit inputs keep each slab's fp32 logits, bounded by `logit_slabs.LOGIT_SLAB_BYTES`,
-to form them once (`logit_slabs`).
+Triton on CUDA and torch elsewhere. variants: which Triton path each stage takes and how large
+its slabs are (`Variants`; None takes the measured winners), chosen per call like impl and
+passed to the custom ops as an argument, so no call's choice reaches another's and
+torch.compile sees it. All ops are torch.library custom ops, so torch.compile traces callers
+without graph breaks. old_logp=None means pi_old is the detached current policy (one update per
+rollout batch; the ratio is 1, its gradient the policy gradient). Rows whose target is
+`ignore_index` never reach the head (`rows.TrainedRows`). The Triton tile shapes live in
+`tiles`; by default the log-prob op and the fused losses on 16-bit inputs form each slab's fp32
+logits with a matrix product and read them with Triton passes per row (`logit_slabs`).
 """
 
 from ._backend import KernelBackendUnavailable
@@ -35,10 +36,12 @@ from .fused_grpo import fused_linear_grpo_loss
 from .fused_nll import fused_linear_nll
 from .grpo_loss import GRPOMetrics, grpo_loss
 from .logprob import fused_linear_logprob
+from .variants import Variants
 
 __all__ = [
     "GRPOMetrics",
     "KernelBackendUnavailable",
+    "Variants",
     "fused_linear_grpo_loss",
     "fused_linear_logprob",
     "fused_linear_nll",

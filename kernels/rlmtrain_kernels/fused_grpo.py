@@ -6,9 +6,9 @@ forward (as Liger's chunked losses do) and the backward only scales them by the 
 The torch backend thereby reuses each row block's logit tile (6·N·H·V FLOPs, as unfused autograd,
 against 8·N·H·V for forward-then-recompute), and so does the Triton backend on 16-bit inputs: a
 slab's logits are formed once in fp32 and kept for its gradients (logit_slabs.py). On fp32 inputs,
-or with `tiles.ROW_GRADS_VARIANT = "recompute"`, it runs the log-prob forward (its
-`tiles.FORWARD_VARIANT`), the elementwise GRPO kernel and the log-prob backward (which forms the
-logits again) back to back.
+or with `Variants(row_grads="recompute")`, it runs the log-prob forward (its `Variants.forward`),
+the elementwise GRPO kernel and the log-prob backward (which forms the logits again) back to
+back.
 No [N, V] tensor exists on any path. When no gradient is wanted (no_grad, frozen inputs) nothing
 beyond the loss is computed.
 
@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 
-from . import logit_slabs, reference, second_order, tiles
+from . import logit_slabs, reference, second_order
 from ._backend import resolve_impl
 from .grpo_loss import (
     NUM_METRIC_SUMS,
@@ -41,6 +41,7 @@ from .head_checks import check_backend_dtype, check_linear_inputs
 from .logprob import logprob_backward_triton, logprob_forward_triton
 from .rows import TrainedRows
 from .stored_grads import scaled_grad
+from .variants import Variants, resolve
 
 __all__ = ["fused_linear_grpo_loss"]
 
@@ -66,7 +67,9 @@ def _linear_grpo_fwd(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     impl: str,
+    variants: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    chosen = Variants.from_spec(variants)
     grpo = dict(
         beta=beta, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap
     )
@@ -90,9 +93,7 @@ def _linear_grpo_fwd(
         return grad
 
     stored_logits = (
-        impl != "torch"
-        and need_grads
-        and tiles.stores_logits(tiles.ROW_GRADS_VARIANT, hidden.dtype)
+        impl != "torch" and need_grads and chosen.stores_logits("row_grads", hidden.dtype)
     )
     if impl == "torch":
         logp, entropy, grad_hidden, grad_weight = reference.linear_logprob_row_grads(
@@ -104,12 +105,12 @@ def _linear_grpo_fwd(
         logp, entropy, grad_hidden, grad_weight = logit_slabs.row_grads(
             hidden, weight, targets, token_grad, temperature=temperature,
             with_entropy=with_entropy, need_grad_hidden=need_grad_hidden,
-            need_grad_weight=need_grad_weight,
+            need_grad_weight=need_grad_weight, slab_bytes=chosen.logit_slab_bytes,
         )  # fmt: skip
     else:
         logp, entropy, lse = logprob_forward_triton(
-            hidden, weight, targets,
-            temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
+            hidden, weight, targets, temperature=temperature, ignore_index=ignore_index,
+            with_entropy=with_entropy, variants=chosen,
         )  # fmt: skip
     loss, grad_logp, sums = loss_forward(
         logp, old_logp, advantages, weights, ref_logp, sampler_logp, **grpo
@@ -119,7 +120,7 @@ def _linear_grpo_fwd(
         grad_hidden, grad_weight = logprob_backward_triton(
             hidden, weight, targets, lse, None, grad_logp, None,
             temperature=temperature, ignore_index=ignore_index,
-            need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight,
+            need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, variants=chosen,
         )  # fmt: skip
 
     # Custom ops return tensors only, none aliasing another: a fresh empty one means "not needed".
@@ -138,7 +139,7 @@ def _linear_grpo_fwd(
 @_linear_grpo_fwd.register_fake
 def _(hidden, weight, targets, old_logp, advantages, weights, ref_logp, sampler_logp, temperature,
       ignore_index, beta, clip_low, clip_high, dual_clip, tis_cap, with_entropy, need_grad_hidden,
-      need_grad_weight, impl):  # fmt: skip
+      need_grad_weight, impl, variants):  # fmt: skip
     f32 = dict(dtype=torch.float32, device=hidden.device)
     # The loss and its sums are fp32 always; the head's outputs fp64 for fp64 inputs (torch).
     head = dict(dtype=reference.accumulation_dtype(hidden.dtype), device=hidden.device)
@@ -209,6 +210,7 @@ def fused_linear_grpo_loss(
     ignore_index: int = -100,
     return_entropy: bool = False,
     impl: str = "auto",
+    variants: Variants | None = None,
 ) -> tuple[torch.Tensor, GRPOMetrics] | tuple[torch.Tensor, GRPOMetrics, torch.Tensor]:
     """`grpo_loss(fused_linear_logprob(hidden, weight, targets), ...)` in one op.
 
@@ -223,6 +225,7 @@ def fused_linear_grpo_loss(
         temperature: divides the logits before the softmax.
         return_entropy: also return the per-token entropy [N] fp32 (a diagnostic: detached).
         impl: "triton" | "torch" | "auto".
+        variants: the Triton paths this call takes (`Variants`; None: the measured winners).
 
     Returns:
         (loss fp32 0-dim, GRPOMetrics) or (loss, GRPOMetrics, entropy [N]); the loss is
@@ -243,6 +246,7 @@ def fused_linear_grpo_loss(
     check_grpo_options(beta, ref_logp, clip_low, clip_high, dual_clip, sampler_logp, tis_cap)
     backend = resolve_impl(impl, hidden.device, op)
     check_backend_dtype(op, backend, hidden.dtype)
+    spec = resolve(variants).spec
     grad_on = torch.is_grad_enabled()
     loss, sums, entropy = LinearGRPOLossFunction.apply(
         hidden.contiguous(),
@@ -264,6 +268,7 @@ def fused_linear_grpo_loss(
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         backend,
+        spec,
     )
     metrics = finalize_metrics(sums)
     return (loss, metrics, entropy) if return_entropy else (loss, metrics)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from . import logit_slabs, reference, second_order, tiles
+from . import logit_slabs, reference, second_order
 from ._backend import resolve_impl
 from .grpo_loss import check_token_tensors
 from .head_checks import check_backend_dtype, check_linear_inputs
 from .logprob import logprob_backward_triton, logprob_forward_triton
 from .rows import TrainedRows
 from .stored_grads import scaled_grad
+from .variants import Variants, resolve
 
 __all__ = ["fused_linear_nll"]
 
@@ -32,7 +33,9 @@ def _linear_nll_fwd(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     impl: str,
+    variants: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    chosen = Variants.from_spec(variants)
     rows = TrainedRows(targets, ignore_index, weight.shape[0])
     hidden, targets = rows.take(hidden), rows.take(targets)
     grad_logp = -rows.take(weights).float()
@@ -43,21 +46,21 @@ def _linear_nll_fwd(
             temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
             need_grads=need_grads, need_grad_weight=need_grad_weight,
         )  # fmt: skip
-    elif need_grads and tiles.stores_logits(tiles.ROW_GRADS_VARIANT, hidden.dtype):
+    elif need_grads and chosen.stores_logits("row_grads", hidden.dtype):
         logp, entropy, grad_hidden, grad_weight = logit_slabs.row_grads(
             hidden, weight, targets, lambda rows, _: grad_logp[rows], temperature=temperature,
             with_entropy=with_entropy, need_grad_hidden=need_grad_hidden,
-            need_grad_weight=need_grad_weight,
+            need_grad_weight=need_grad_weight, slab_bytes=chosen.logit_slab_bytes,
         )  # fmt: skip
     else:
         logp, entropy, lse = logprob_forward_triton(
-            hidden, weight, targets,
-            temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
+            hidden, weight, targets, temperature=temperature, ignore_index=ignore_index,
+            with_entropy=with_entropy, variants=chosen,
         )  # fmt: skip
         grad_hidden, grad_weight = logprob_backward_triton(
             hidden, weight, targets, lse, None, grad_logp, None,
             temperature=temperature, ignore_index=ignore_index,
-            need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight,
+            need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight, variants=chosen,
         )  # fmt: skip
 
     # Custom ops return tensors only, none aliasing another: a fresh empty one means "not needed".
@@ -74,7 +77,7 @@ def _linear_nll_fwd(
 
 @_linear_nll_fwd.register_fake
 def _(hidden, weight, targets, weights, temperature, ignore_index, with_entropy, need_grad_hidden,
-      need_grad_weight, impl):  # fmt: skip
+      need_grad_weight, impl, variants):  # fmt: skip
     # fp64 inputs (the gradcheck path, torch only) give fp64 outputs; any other dtype fp32.
     out = dict(dtype=reference.accumulation_dtype(hidden.dtype), device=hidden.device)
     return (
@@ -127,6 +130,7 @@ def fused_linear_nll(
     ignore_index: int = -100,
     return_entropy: bool = False,
     impl: str = "auto",
+    variants: Variants | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Weighted negative log-likelihood of a linear LM head, -sum(weights * logp).
 
@@ -136,6 +140,7 @@ def fused_linear_nll(
         temperature: divides the logits before the softmax.
         return_entropy: also return the per-token entropy [N] fp32 (detached diagnostic).
         impl: "triton" | "torch" | "auto".
+        variants: the Triton paths this call takes (`Variants`; None: the measured winners).
 
     Returns:
         loss fp32 0-dim (differentiable w.r.t. hidden and weight), or (loss, entropy [N]).
@@ -145,6 +150,7 @@ def fused_linear_nll(
     check_token_tensors(op, hidden.shape[0], hidden.device, weights=weights)
     backend = resolve_impl(impl, hidden.device, op)
     check_backend_dtype(op, backend, hidden.dtype)
+    spec = resolve(variants).spec
     grad_on = torch.is_grad_enabled()
     loss, entropy = LinearNLLFunction.apply(
         hidden.contiguous(),
@@ -157,5 +163,6 @@ def fused_linear_nll(
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         backend,
+        spec,
     )
     return (loss, entropy) if return_entropy else loss

@@ -16,18 +16,18 @@ their logits need not be formed twice (forward kernel, then the backward's recom
 The price of the saved quarter of the arithmetic is memory traffic, about 18·V bytes a row (the
 fp32 logits written and read twice, the 16-bit gradients written and read twice); on an H200 the
 row passes took 6 of the fused GRPO loss's 60 ms (bench/gpu/NOTES.md). Memory is bounded by
-`LOGIT_SLAB_BYTES` of fp32 logits and half that of gradients, whatever N is; no [N, V] tensor
-exists.
+`Variants.logit_slab_bytes` of fp32 logits and half that of gradients, whatever N is; no [N, V]
+tensor exists.
 
 The log-prob op itself runs its forward (`log_probs`: steps 1-2) and its backward
 (`accumulate_grads`: steps 1, 4 and 5, with the entropy's gradient) the same way, in place of the
-Triton GEMM kernels (`tiles.FORWARD_VARIANT`, `tiles.BACKWARD_VARIANT` = "stored", the defaults):
+Triton GEMM kernels (`Variants.forward`, `Variants.backward` = "stored", the defaults):
 on an H200 cuBLAS formed a slab's logits at 720 TFLOP/s where the Triton forward kernel reached
 500. Since a backward already knows each row's log-sum-exp, the op may instead cut slabs of
-vocabulary columns (`tiles.LOGPROB_SLABS`): the forward merges the slabs' log-sum-exps, and the
+vocabulary columns (`Variants.logprob_slabs`): the forward merges the slabs' log-sum-exps, and the
 backward writes each slab's rows of dW once, accumulating the smaller [N, H] dX instead.
 
-Only 16-bit inputs take these paths (`tiles.STORED_LOGITS_DTYPES`): fp32 inputs keep the Triton
+Only 16-bit inputs take these paths (`variants.STORED_LOGITS_DTYPES`): fp32 inputs keep the Triton
 kernels' exact ("ieee") dots. bench/gpu/sweep_tiles.py times every variant.
 """
 
@@ -37,16 +37,13 @@ from collections.abc import Callable
 
 import torch
 
-from . import tiles
 from ._backend import tl, triton, triton_interpreting
 from .logprob_slabs import slab_products
+from .variants import Variants
 
-__all__ = ["LOGIT_SLAB_BYTES", "accumulate_grads", "log_probs", "row_grads"]
+__all__ = ["accumulate_grads", "log_probs", "row_grads", "slab_buffer_shape"]
 
-# fp32 logits of one slab: 3,533 rows at V = 151936. Each slab reads and writes the fp32 dW once
-# (about 3 GB at H = 2560), so fewer, larger slabs save that traffic.
-LOGIT_SLAB_BYTES = 2 << 30
-# Slabs of vocabulary columns (`tiles.LOGPROB_SLABS`) start at multiples of this: each row of a
+# Slabs of vocabulary columns (`Variants.logprob_slabs`) start at multiples of this: each row of a
 # slab's fp32 logits and 16-bit gradients then starts 256- and 128-byte aligned, as the row
 # passes' vector loads and cuBLAS's leading dimensions want.
 COLUMN_ALIGN = 64
@@ -167,15 +164,15 @@ def _slabs(n: int, most: int) -> list[slice]:
     return bounds
 
 
-def _row_slabs(n: int, v: int) -> list[slice]:
-    return _slabs(n, max(1, LOGIT_SLAB_BYTES // (4 * v)))
+def _row_slabs(n: int, v: int, slab_bytes: int) -> list[slice]:
+    return _slabs(n, max(1, slab_bytes // (4 * v)))
 
 
-def _column_width(n: int, v: int) -> int:
+def _column_width(n: int, v: int, slab_bytes: int) -> int:
     """The width of the op's slabs of columns over n rows: as few slabs as the slab bytes allow,
     each a multiple of COLUMN_ALIGN wide and as near the same width as that leaves."""
     units = -(-v // COLUMN_ALIGN)
-    most_units = max(1, LOGIT_SLAB_BYTES // (4 * max(n, 1) * COLUMN_ALIGN))
+    most_units = max(1, slab_bytes // (4 * max(n, 1) * COLUMN_ALIGN))
     count = -(-units // most_units)
     return -(-units // count) * COLUMN_ALIGN
 
@@ -190,23 +187,23 @@ def _largest(slabs: list[slice]) -> int:
     return max((s.stop - s.start for s in slabs), default=0)
 
 
-def slab_buffer_shape(n: int, v: int) -> tuple[int, int]:
-    """The fp32 logit buffer `log_probs` and `accumulate_grads` use over n rows, in the op's
-    orientation (`tiles.LOGPROB_SLABS`): [largest row slab, V] or [n, column slab width]. A
+def slab_buffer_shape(n: int, v: int, variants: Variants) -> tuple[int, int]:
+    """The fp32 logit buffer `log_probs` and `accumulate_grads` use over n rows, in the call's
+    orientation (`variants.logprob_slabs`): [largest row slab, V] or [n, column slab width]. A
     buffer of this shape, passed to `log_probs`, is cut into the same slabs as without it, and
     its shape tells `accumulate_grads` which orientation filled it and how."""
     if n == 0:
         return 0, v
-    if tiles.LOGPROB_SLABS == "columns":
-        return n, _column_width(n, v)
-    return _largest(_row_slabs(n, v)), v
+    if variants.logprob_slabs == "columns":
+        return n, _column_width(n, v, variants.logit_slab_bytes)
+    return _largest(_row_slabs(n, v, variants.logit_slab_bytes)), v
 
 
-def _by_columns(buffer: torch.Tensor | None, v: int) -> bool:
+def _by_columns(buffer: torch.Tensor | None, v: int, variants: Variants) -> bool:
     """Whether the op's stored path cuts the vocabulary (else the rows): as the buffer a forward
     filled was cut, if there is one (a buffer of all V columns is one slab either way)."""
     if buffer is None:
-        return tiles.LOGPROB_SLABS == "columns"
+        return variants.logprob_slabs == "columns"
     return buffer.shape[1] != v
 
 
@@ -258,21 +255,23 @@ def log_probs(
     *,
     temperature: float,
     with_entropy: bool,
+    variants: Variants,
     logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp [N], entropy [N] or [0], lse [N]), fp32; rows whose target is outside [0, V) (an
     ignore_index) get log-prob and entropy 0.
 
-    `logits` fp32, if given, is the slab buffer, of `slab_buffer_shape(N, V)`: on return it
-    holds the last slab's logits, for `accumulate_grads(kept_logits=logits)`."""
+    `logits` fp32, if given, is the slab buffer, of `slab_buffer_shape(N, V, variants)`: on
+    return it holds the last slab's logits, for `accumulate_grads(kept_logits=logits)`."""
     n, v = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     inv_t = 1.0 / temperature
-    if _by_columns(logits, v):
-        return _column_log_probs(hidden, weight, targets, inv_t, with_entropy, logits)
+    slab_bytes = variants.logit_slab_bytes
+    if _by_columns(logits, v, variants):
+        return _column_log_probs(hidden, weight, targets, inv_t, with_entropy, logits, slab_bytes)
     logp, lse = torch.empty(n, **f32), torch.empty(n, **f32)
     entropy = torch.empty(n if with_entropy else 0, **f32)
-    slabs = _row_slabs(n, v) if logits is None else _slabs(n, logits.shape[0])
+    slabs = _row_slabs(n, v, slab_bytes) if logits is None else _slabs(n, logits.shape[0])
     if logits is None:
         logits = torch.empty(_largest(slabs), v, **f32)
     for rows in slabs:
@@ -285,13 +284,13 @@ def log_probs(
     return logp, entropy, lse
 
 
-def _column_log_probs(hidden, weight, targets, inv_t, with_entropy, logits):
+def _column_log_probs(hidden, weight, targets, inv_t, with_entropy, logits, slab_bytes):
     """`log_probs` a slab of vocabulary columns at a time: each slab's row pass gives its own
     log-sum-exp, entropy, and the target's log-prob within it where the target is in it; the
     slabs' figures are merged after, a few [slabs, N] operations."""
     n, v = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
-    width = _column_width(n, v) if logits is None else logits.shape[1]
+    width = _column_width(n, v, slab_bytes) if logits is None else logits.shape[1]
     slabs = _columns(v, width)
     if logits is None:
         logits = torch.empty(n, width, **f32)
@@ -355,6 +354,7 @@ def accumulate_grads(
     *,
     inv_t: float,
     with_entropy: bool,
+    variants: Variants,
     kept_logits: torch.Tensor | None = None,
 ) -> None:
     """The log-prob op's backward, `logprob_slabs.accumulate_grads`'s contract: fill grad_hidden
@@ -365,10 +365,11 @@ def accumulate_grads(
     logits of their last slab, which goes first and skips its matrix product; the other slabs'
     logits then overwrite it. The slabs are cut as that forward cut them."""
     n, v = hidden.shape[0], weight.shape[0]
-    if _by_columns(kept_logits, v):
+    slab_bytes = variants.logit_slab_bytes
+    if _by_columns(kept_logits, v, variants):
         _column_grads(
             hidden, weight, targets, lse, mean_z, g, ge, grad_hidden, grad_weight, inv_t,
-            with_entropy, kept_logits,
+            with_entropy, kept_logits, slab_bytes,
         )  # fmt: skip
         return
     if kept_logits is not None:
@@ -376,7 +377,7 @@ def accumulate_grads(
         slabs = [kept, *_slabs(kept.start, kept_logits.shape[0])]
         logits = kept_logits
     else:
-        kept, slabs = None, _row_slabs(n, v)
+        kept, slabs = None, _row_slabs(n, v, slab_bytes)
         logits = torch.empty(_largest(slabs), v, dtype=torch.float32, device=hidden.device)
     dlogits = torch.empty(_largest(slabs), v, dtype=hidden.dtype, device=hidden.device)
     for i, rows in enumerate(slabs):
@@ -395,12 +396,12 @@ def accumulate_grads(
 
 def _column_grads(
     hidden, weight, targets, lse, mean_z, g, ge, grad_hidden, grad_weight, inv_t, with_entropy,
-    kept_logits,
+    kept_logits, slab_bytes,
 ):  # fmt: skip
     """`accumulate_grads` a slab of vocabulary columns at a time: each slab writes its own rows
     of dW once and adds into dX, an [N, H] read-modify-write a slab in place of a [V, H] one."""
     n, v = hidden.shape[0], weight.shape[0]
-    width = _column_width(n, v) if kept_logits is None else kept_logits.shape[1]
+    width = _column_width(n, v, slab_bytes) if kept_logits is None else kept_logits.shape[1]
     slabs = _columns(v, width)
     kept = slabs[-1] if kept_logits is not None else None
     logits = kept_logits
@@ -430,9 +431,11 @@ def row_grads(
     with_entropy: bool,
     need_grad_hidden: bool,
     need_grad_weight: bool,
+    slab_bytes: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Log-probs and, in the same pass, the gradients of a per-token loss, for trained rows only
-    (every target a token id; `rows.TrainedRows` drops the ignored ones before).
+    (every target a token id; `rows.TrainedRows` drops the ignored ones before), in slabs of at
+    most `slab_bytes` of fp32 logits.
 
     `row_grad(rows, logp[rows])` returns dLoss/dlogp for those rows. Returns (logp [N] fp32,
     entropy [N] or [0] fp32, dHidden [N, H] fp32 or None, dWeight [V, H] fp32 or None).
@@ -441,7 +444,7 @@ def row_grads(
     v = weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     inv_t = 1.0 / temperature
-    slabs = _row_slabs(n, v)
+    slabs = _row_slabs(n, v, slab_bytes)
     slab_rows = _largest(slabs)
     logits = torch.empty(slab_rows, v, **f32)
     dlogits = torch.empty(slab_rows, v, dtype=hidden.dtype, device=hidden.device)

@@ -7,7 +7,7 @@ log-sum-exp per row: running max from -inf, padded vocabulary columns masked to 
 exp(-inf) = 0, never exp(0). Splitting the vocabulary keeps the GPU busy when N is small; the
 per-split (max, sum, sum of e*z) triples are merged by a tiny torch epilogue.
 
-Backward, three variants (`tiles.BACKWARD_VARIANT`). Each forms the logits again (but for the
+Backward, three variants (`Variants.backward`). Each forms the logits again (but for the
 slab a stored forward kept: `LinearLogprobFunction`) and from them
 dL/dz = g * (onehot - p) + g_H * p * (E_p[z] - z), rounded to the input dtype for the two
 products; no entry is dropped (Cut Cross-Entropy's filter of small gradient blocks is not used).
@@ -17,13 +17,13 @@ product in fp32 and dz in a pass per row, then finishes dX and dW with two matri
 Triton GEMM kernel instead. "atomic" (the kernel here) scatters dX = dz @ W and dW = dz^T @ X
 into fp32 buffers with atomic adds, the Cut Cross-Entropy layout, and stores nothing of size V;
 on an H200 it ran 2.5x slower than the slabs at training shapes. The forward has a "stored"
-variant too (`tiles.FORWARD_VARIANT`), the default for 16-bit inputs; the kernel above serves
-fp32 inputs.
+variant too (`Variants.forward`), the default for 16-bit inputs; the kernel above serves fp32
+inputs.
 
 Grids are one-dimensional so no axis meets the 65,535 limit of axes 1 and 2; the kernels walk
 them in grouped order (`tiles.grouped_tile`), so that the programs resident at once share a few
 row tiles of hidden states and a run of weight tiles in L2 instead of each streaming its own.
-Tile shapes come from `tiles.CUDA_TILES`, a table a tuning sweep may replace.
+Tile shapes come from `tiles.tiles_for`: the default tables, or a call's `Variants.tiles`.
 
 The op is registered with torch.library (opaque to torch.compile, with fake kernels for shapes)
 and differentiated by `LinearLogprobFunction`.
@@ -38,6 +38,7 @@ from ._backend import resolve_impl, tl, triton
 from .head_checks import check_backend_dtype, check_linear_inputs
 from .rows import TrainedRows
 from .tiles import grad_logit_tile, grouped_tile, logit_tile
+from .variants import Variants, resolve
 
 __all__ = ["fused_linear_logprob"]
 
@@ -200,21 +201,22 @@ def logprob_forward_triton(
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
+    variants: Variants,
     logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp [N], entropy [N] or [0], lse [N]), fp32, by the Triton forward kernel, or from
-    stored logit slabs (`tiles.FORWARD_VARIANT`). `logits` is the stored path's slab buffer, if
+    stored logit slabs (`variants.forward`). `logits` is the stored path's slab buffer, if
     the caller keeps it for the backward (`logit_slabs.log_probs`); the kernel leaves it unread."""
     n, h = hidden.shape
     v = weight.shape[0]
     if n == 0:  # three tensors: a custom op's outputs may not alias one another
         return tuple(hidden.new_empty(0, dtype=torch.float32) for _ in range(3))
-    if tiles.stores_logits(tiles.FORWARD_VARIANT, hidden.dtype):
+    if variants.stores_logits("forward", hidden.dtype):
         return logit_slabs.log_probs(
             hidden, weight, targets, temperature=temperature, with_entropy=with_entropy,
-            logits=logits,
+            variants=variants, logits=logits,
         )  # fmt: skip
-    cfg = tiles.tiles_for(hidden.device, "forward", hidden.dtype)
+    cfg = tiles.tiles_for(hidden.device, "forward", hidden.dtype, variants)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
     splits = _vocab_splits(hidden.device, n_row_tiles, n_vocab_tiles)
@@ -276,10 +278,11 @@ def logprob_backward_triton(
     ignore_index: int,
     need_grad_hidden: bool,
     need_grad_weight: bool,
+    variants: Variants,
     kept_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dHidden [N, H] fp32 or None, dWeight [V, H] fp32 or None) by the Triton backward
-    (`tiles.BACKWARD_VARIANT`: logit-gradient slabs, the atomic tile kernel, or slabs from
+    (`variants.backward`: logit-gradient slabs, the atomic tile kernel, or slabs from
     stored logits, which take the forward's `kept_logits` in place of forming those again and
     overwrite them; the other variants leave them unread)."""
     n, h = hidden.shape
@@ -291,26 +294,27 @@ def logprob_backward_triton(
     ge = torch.where(valid, grad_entropy.float(), 0.0) if with_entropy else g
     mean_z = lse - entropy if with_entropy else lse
     # The slab variants write every element; the atomic kernel adds into zeros.
-    blank = torch.zeros if n == 0 or tiles.BACKWARD_VARIANT == "atomic" else torch.empty
+    blank = torch.zeros if n == 0 or variants.backward == "atomic" else torch.empty
     grad_hidden = blank(n, h, **f32) if need_grad_hidden else None
     grad_weight = blank(v, h, **f32) if need_grad_weight else None
     if n == 0 or not (need_grad_hidden or need_grad_weight):
         return grad_hidden, grad_weight
     upstream = (lse.contiguous(), mean_z.contiguous(), g.contiguous(), ge.contiguous())
-    if tiles.BACKWARD_VARIANT in ("slabs", "stored"):  # fp32 inputs asking "stored" take "slabs"
+    if variants.backward in ("slabs", "stored"):  # fp32 inputs asking "stored" take "slabs"
         inv_t = 1.0 / temperature
-        if tiles.stores_logits(tiles.BACKWARD_VARIANT, hidden.dtype):
+        if variants.stores_logits("backward", hidden.dtype):
             logit_slabs.accumulate_grads(
                 hidden, weight, targets, *upstream, grad_hidden, grad_weight,
-                inv_t=inv_t, with_entropy=with_entropy, kept_logits=kept_logits,
+                inv_t=inv_t, with_entropy=with_entropy, variants=variants,
+                kept_logits=kept_logits,
             )  # fmt: skip
         else:
             logprob_slabs.accumulate_grads(
                 hidden, weight, targets, *upstream, grad_hidden, grad_weight,
-                inv_t=inv_t, with_entropy=with_entropy,
+                inv_t=inv_t, with_entropy=with_entropy, variants=variants,
             )  # fmt: skip
         return grad_hidden, grad_weight
-    cfg = tiles.tiles_for(hidden.device, "backward", hidden.dtype)
+    cfg = tiles.tiles_for(hidden.device, "backward", hidden.dtype, variants)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
     _logprob_bwd_kernel[(n_row_tiles * n_vocab_tiles,)](
@@ -351,46 +355,47 @@ def _linear_logprob_fwd(
     with_entropy: bool,
     keep_logits: bool,
     impl: str,
+    variants: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logp, entropy, lse, kept): `kept` fp32 is the stored path's slab buffer, left holding
     the logits of the last slab of trained rows for the backward ([0, V]: nothing kept, which is
-    also what a forward without `keep_logits` or without stored slabs returns)."""
+    also what a forward without `keep_logits` or without stored slabs returns). `variants` is a
+    `Variants.spec`."""
     v = weight.shape[0]
+    chosen = Variants.from_spec(variants)
     rows = TrainedRows(targets, ignore_index, v)
-    keeps = _keeps(hidden, keep_logits, impl)
-    kept_shape = logit_slabs.slab_buffer_shape(rows.count, v) if keeps else (0, v)
+    keeps = _keeps(hidden, keep_logits, impl, chosen)
+    kept_shape = logit_slabs.slab_buffer_shape(rows.count, v, chosen) if keeps else (0, v)
     kept = hidden.new_empty(kept_shape, dtype=torch.float32)
     trained = (rows.take(hidden), weight, rows.take(targets))
     options = dict(temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy)
     if impl == "triton":
         logp, entropy, lse = logprob_forward_triton(
-            *trained, **options, logits=kept if kept.numel() else None
+            *trained, **options, variants=chosen, logits=kept if kept.numel() else None
         )
     else:
         logp, entropy, lse = reference.linear_logprob_forward(*trained, **options)
     return rows.put(logp), rows.put(entropy) if with_entropy else entropy, rows.put(lse), kept
 
 
-def _keeps(hidden: torch.Tensor, keep_logits: bool, impl: str) -> bool:
+def _keeps(hidden: torch.Tensor, keep_logits: bool, impl: str, variants: Variants) -> bool:
     """Whether the forward keeps a logit slab: asked to, and its forward stores slabs."""
-    return (
-        keep_logits
-        and impl == "triton"
-        and tiles.stores_logits(tiles.FORWARD_VARIANT, hidden.dtype)
-    )
+    return keep_logits and impl == "triton" and variants.stores_logits("forward", hidden.dtype)
 
 
 @_linear_logprob_fwd.register_fake
-def _(hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl):
+def _(hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl,
+      variants):  # fmt: skip
     n, v = hidden.shape[0], weight.shape[0]
     # The torch path computes fp64 inputs in fp64 (for gradcheck); every other input in fp32.
     out = dict(dtype=reference.accumulation_dtype(hidden.dtype), device=hidden.device)
     # The kept slab follows the count of trained rows, a data-dependent size: its rows, and
     # with slabs of columns its columns too.
     kept_shape = (0, v)
-    if _keeps(hidden, keep_logits, impl):
+    chosen = Variants.from_spec(variants)
+    if _keeps(hidden, keep_logits, impl, chosen):
         ctx = torch.library.get_ctx()
-        columns = tiles.LOGPROB_SLABS == "columns"
+        columns = chosen.logprob_slabs == "columns"
         kept_shape = (ctx.new_dynamic_size(), ctx.new_dynamic_size() if columns else v)
     return (
         hidden.new_empty(n, **out),
@@ -415,6 +420,7 @@ def _linear_logprob_bwd(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     impl: str,
+    variants: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows = TrainedRows(targets, ignore_index, weight.shape[0])
     trained = (
@@ -430,6 +436,7 @@ def _linear_logprob_bwd(
         grad_hidden, grad_weight = logprob_backward_triton(
             *trained, temperature=temperature, ignore_index=ignore_index,
             need_grad_hidden=need_grad_hidden, need_grad_weight=need_grad_weight,
+            variants=Variants.from_spec(variants),
             kept_logits=kept_logits if kept_logits.numel() else None,
         )  # fmt: skip
     else:
@@ -447,7 +454,7 @@ def _linear_logprob_bwd(
 
 @_linear_logprob_bwd.register_fake
 def _(hidden, weight, targets, lse, entropy, kept_logits, grad_logp, grad_entropy, temperature,
-      ignore_index, need_grad_hidden, need_grad_weight, impl):  # fmt: skip
+      ignore_index, need_grad_hidden, need_grad_weight, impl, variants):  # fmt: skip
     return (
         hidden.new_empty(hidden.shape if need_grad_hidden else (0,)),
         weight.new_empty(weight.shape if need_grad_weight else (0,)),
@@ -460,7 +467,7 @@ class LinearLogprobFunction(torch.autograd.Function):
 
     With `keep_logits` (`fused_linear_logprob` sets it when a backward can come: grad mode on,
     an input that requires grad, not under torch.compile) a forward that stores logit slabs
-    keeps its last one, at most `logit_slabs.LOGIT_SLAB_BYTES` of fp32 logits, for the first
+    keeps its last one, at most `Variants.logit_slab_bytes` of fp32 logits, for the first
     backward: that backward takes it in place of the slab's matrix product and then uses it as
     its working buffer, the one it would otherwise allocate. The slab is held from the forward
     to the backward (or until the graph is freed without one); being a ctx attribute and not a
@@ -470,16 +477,18 @@ class LinearLogprobFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl
-    ):
+        ctx, hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl,
+        variants,
+    ):  # fmt: skip
         logp, entropy, lse, kept = _linear_logprob_fwd(
-            hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl
-        )
+            hidden, weight, targets, temperature, ignore_index, with_entropy, keep_logits, impl,
+            variants,
+        )  # fmt: skip
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         # Not a saved tensor: the backward overwrites it, and a retained graph must then not
         # hand it to a second backward as if it still held logits.
         ctx.kept_logits = kept
-        ctx.options = (temperature, ignore_index, impl)
+        ctx.options = (temperature, ignore_index, impl, variants)
         ctx.with_entropy = with_entropy
         ctx.set_materialize_grads(False)
         return logp, entropy
@@ -489,7 +498,7 @@ class LinearLogprobFunction(torch.autograd.Function):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         kept = ctx.kept_logits
         ctx.kept_logits = kept.new_empty(0, kept.shape[1])
-        temperature, ignore_index, impl = ctx.options
+        temperature, ignore_index, impl, variants = ctx.options
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if second_order.wanted():
             outputs = second_order.head_logprobs(
@@ -498,7 +507,7 @@ class LinearLogprobFunction(torch.autograd.Function):
             grads = second_order.grads(
                 outputs, (grad_logp, grad_entropy), (hidden, weight), (need_hidden, need_weight)
             )
-            return *grads, None, None, None, None, None, None
+            return *grads, *[None] * 7
         grad_hidden, grad_weight = _linear_logprob_bwd(
             hidden,
             weight,
@@ -513,16 +522,12 @@ class LinearLogprobFunction(torch.autograd.Function):
             need_hidden,
             need_weight,
             impl,
+            variants,
         )
         return (
             grad_hidden if need_hidden else None,
             grad_weight if need_weight else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            *[None] * 7,
         )
 
 
@@ -535,6 +540,7 @@ def fused_linear_logprob(
     return_entropy: bool = False,
     ignore_index: int = -100,
     impl: str = "auto",
+    variants: Variants | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(hidden @ weight.T / temperature)[i, targets[i]] without the [N, V] logits.
 
@@ -547,6 +553,7 @@ def fused_linear_logprob(
         return_entropy: also return the entropy of softmax(logits / temperature).
         ignore_index: rows with this target get logp 0, entropy 0 and no gradient.
         impl: "triton" | "torch" | "auto" (Triton on CUDA, the chunked torch backend elsewhere).
+        variants: the Triton paths this call takes (`Variants`; None: the measured winners).
 
     Returns:
         logp [N] fp32, or (logp [N] fp32, entropy [N] fp32); both differentiable w.r.t. hidden
@@ -555,6 +562,7 @@ def fused_linear_logprob(
     check_linear_inputs("fused_linear_logprob", hidden, weight, targets, temperature)
     backend = resolve_impl(impl, hidden.device, "fused_linear_logprob")
     check_backend_dtype("fused_linear_logprob", backend, hidden.dtype)
+    spec = resolve(variants).spec
     logp, entropy = LinearLogprobFunction.apply(
         hidden.contiguous(),
         weight.contiguous(),
@@ -569,5 +577,6 @@ def fused_linear_logprob(
         and (hidden.requires_grad or weight.requires_grad)
         and not torch.compiler.is_compiling(),
         backend,
+        spec,
     )
     return (logp, entropy) if return_entropy else logp

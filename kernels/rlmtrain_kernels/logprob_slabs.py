@@ -5,10 +5,11 @@ with atomics: (BLOCK_N + BLOCK_V) * H atomic adds per tile, hundreds of GB of L2
 training shapes. This variant takes the rows a slab at a time instead: one Triton kernel (a GEMM
 whose epilogue turns the recomputed logit tile into dLoss/dlogits) writes the slab's logit
 gradients in the input dtype, then dX[slab] = dZ @ W and dW += dZ^T @ X[slab] run as plain
-matrix products with fp32 accumulation and fp32 results. The slab is bounded by `SLAB_BYTES`
-whatever N is, so memory stays O(slab * V + V * H); the logits themselves are never stored.
+matrix products with fp32 accumulation and fp32 results. The slab is bounded by
+`Variants.grad_slab_bytes` whatever N is, so memory stays O(slab * V + V * H); the logits
+themselves are never stored.
 
-Which variant runs is `tiles.BACKWARD_VARIANT` ("slabs" is this module; "atomic" the kernel in
+Which variant runs is `Variants.backward` ("slabs" is this module; "atomic" the kernel in
 logprob.py; "stored" logit_slabs.py); bench/gpu/sweep_tiles.py times all three.
 """
 
@@ -21,12 +22,9 @@ import torch
 from . import tiles
 from ._backend import tl, triton
 from .tiles import grad_logit_tile
+from .variants import Variants
 
-__all__ = ["SLAB_BYTES", "accumulate_grads", "slab_products"]
-
-# Bytes of one slab of logit gradients (bf16: 3,533 rows at V = 151936). Large enough that each
-# matrix product is a long GEMM; the fp32 dW is read and written once per slab.
-SLAB_BYTES = 1 << 30
+__all__ = ["accumulate_grads", "slab_products"]
 
 
 @triton.jit
@@ -89,10 +87,9 @@ def _fp32_products(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
-def _write_slab(hidden, weight, targets, lse, mean_z, g, ge, dz, inv_t, with_entropy) -> None:
+def _write_slab(hidden, weight, targets, lse, mean_z, g, ge, dz, inv_t, with_entropy, cfg) -> None:
     n, h = hidden.shape
     v = weight.shape[0]
-    cfg = tiles.tiles_for(hidden.device, "dlogits", hidden.dtype)
     n_row_tiles = triton.cdiv(n, cfg["BLOCK_N"])
     n_vocab_tiles = triton.cdiv(v, cfg["BLOCK_V"])
     _dlogits_kernel[(n_row_tiles * n_vocab_tiles,)](
@@ -117,13 +114,17 @@ def accumulate_grads(
     *,
     inv_t: float,
     with_entropy: bool,
+    variants: Variants,
 ) -> None:
     """Fill grad_hidden [N, H] fp32 and grad_weight [V, H] fp32 (either may be None; N > 0),
-    given the upstream per-row coefficients the atomic kernel takes (g, g_H, lse, E_p[z])."""
+    given the upstream per-row coefficients the atomic kernel takes (g, g_H, lse, E_p[z]). A
+    slab holds at most `variants.grad_slab_bytes` of logit gradients (but one row tile)."""
     n = hidden.shape[0]
     v = weight.shape[0]
-    block_n = tiles.tiles_for(hidden.device, "dlogits", hidden.dtype)["BLOCK_N"]
-    slab_rows = max(block_n, SLAB_BYTES // (v * hidden.element_size()) // block_n * block_n)
+    cfg = tiles.tiles_for(hidden.device, "dlogits", hidden.dtype, variants)
+    block_n = cfg["BLOCK_N"]
+    per_slab = variants.grad_slab_bytes // (v * hidden.element_size())
+    slab_rows = max(block_n, per_slab // block_n * block_n)
     slab_rows = min(slab_rows, n)
     dz = torch.empty(slab_rows, v, dtype=hidden.dtype, device=hidden.device)
     for r0 in range(0, n, slab_rows):
@@ -132,7 +133,7 @@ def accumulate_grads(
         slab = dz[: x.shape[0]]
         _write_slab(
             x, weight, targets[rows], lse[rows], mean_z[rows], g[rows], ge[rows], slab, inv_t,
-            with_entropy,
+            with_entropy, cfg,
         )  # fmt: skip
         slab_products(
             slab, x, weight, grad_hidden[rows] if grad_hidden is not None else None, grad_weight,

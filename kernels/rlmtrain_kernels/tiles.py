@@ -1,15 +1,24 @@
 """Tile shapes, program order and the Triton pieces the log-prob kernels share.
 
-`CUDA_TILES` is a module-level table (and `FORWARD_VARIANT`, `BACKWARD_VARIANT` and
-`ROW_GRADS_VARIANT` module-level choices) so that a tuning sweep (bench/gpu/sweep_tiles.py) can
-try others without touching the kernels; the launchers read them at each call.
+The tables here are the defaults, read-only; a call that wants other shapes (a tuning sweep:
+bench/gpu/sweep_tiles.py) names them in its `Variants.tiles`, and `tiles_for` takes them from
+there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 
 from ._backend import tl, triton, triton_interpreting
+from .variants import Variants
+
+
+def _frozen(table: dict[str, dict[str, int]]) -> Mapping[str, Mapping[str, int]]:
+    return MappingProxyType({kernel: MappingProxyType(shape) for kernel, shape in table.items()})
+
 
 # Tile shapes and launch options per kernel on CUDA, for 16-bit inputs. The forward and the slab
 # backward's kernel are the winners of bench/gpu/sweep_tiles.py on an H200 at N = 16384,
@@ -19,71 +28,42 @@ from ._backend import tl, triton, triton_interpreting
 # then streams H in slices of BLOCK_H_OUT for its two output products (its best shape measured,
 # 128 x 128 x 64, still ran 2.5x slower than the slabs); the slab backward's kernel is a GEMM tile
 # with an elementwise epilogue and a 16-bit store.
-CUDA_TILES: dict[str, dict[str, int]] = {
+CUDA_TILES = _frozen({
     "forward": dict(BLOCK_N=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
     "backward": dict(
         BLOCK_N=128, BLOCK_V=128, BLOCK_H=64, BLOCK_H_OUT=64, num_warps=8, num_stages=3
     ),
     "dlogits": dict(BLOCK_N=128, BLOCK_V=256, BLOCK_H=64, num_warps=8, num_stages=3),
-}
+})  # fmt: skip
 # fp32 inputs: their exact ("ieee") dots run on the CUDA cores, whose accumulators take far more
 # registers than a tensor-core tile's; these smaller shapes build without spilling and within a
 # Hopper block's 227 KB of shared memory (the 16-bit shapes spill 13-17 KB a thread in fp32).
-CUDA_TILES_FP32: dict[str, dict[str, int]] = {
+CUDA_TILES_FP32 = _frozen({
     "forward": dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=2),
     "backward": dict(BLOCK_N=32, BLOCK_V=64, BLOCK_H=32, BLOCK_H_OUT=32, num_warps=4, num_stages=2),
     "dlogits": dict(BLOCK_N=64, BLOCK_V=64, BLOCK_H=32, num_warps=4, num_stages=2),
-}
+})  # fmt: skip
 # The interpreter's cost is per operation, not per element, so fewer, larger tiles run faster;
 # these still leave partial row, vocabulary and hidden tiles at the test shapes.
-INTERPRETER_TILES: dict[str, dict[str, int]] = {
+INTERPRETER_TILES = _frozen({
     "forward": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32),
     "backward": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32, BLOCK_H_OUT=32),
     "dlogits": dict(BLOCK_N=32, BLOCK_V=128, BLOCK_H=32),
-}
+})  # fmt: skip
 # Row tiles per group in the program order: the programs running at once share a few row tiles'
 # hidden states and a run of vocabulary tiles, so both stay in L2 (the grouped order of tiled
 # matrix products).
 GROUP_N = 8
-# How the log-prob forward forms its logits: "kernel" (the Triton GEMM tile with an online
-# log-sum-exp, nothing of size V stored) or, for 16-bit inputs, "stored" (a slab's fp32 logits by
-# a matrix product, then a Triton pass per row; logit_slabs.py). On an H200 at N = 16384,
-# H = 2560 "stored" took 21.9 ms against the kernel's 25.5 (bench/gpu/NOTES.md, run 3).
-FORWARD_VARIANT = "stored"
-# The "stored" variants take 16-bit inputs only: fp32 inputs keep the kernels' exact ("ieee") dots,
-# which a cuBLAS product does not promise (it may use TF32 where the caller allowed it).
-STORED_LOGITS_DTYPES = (torch.bfloat16, torch.float16)
-# How the backward forms dX and dW: "slabs" (a Triton GEMM writes the logit gradients of a slab of
-# rows, bounded by logprob_slabs.SLAB_BYTES, then two matrix products finish dX and dW),
-# "atomic" (each logit tile adds its products into fp32 buffers with atomics; nothing of size V
-# is stored) or, for 16-bit inputs, "stored" (the slab's fp32 logits by a matrix product and its
-# gradients by a Triton pass per row, in place of the GEMM kernel; logit_slabs.py). On an H200 at
-# N = 16384, H = 2560: stored 60.6 ms, slabs 62.1-63.4, atomic 153.7-155.6; the atomics' L2
-# read-modify-write traffic, not the arithmetic, bounds that kernel. fp32 inputs asking for
-# "stored" take "slabs".
-BACKWARD_VARIANT = "stored"
-# How the log-prob op's stored forward and backward cut the [N, V] logits into slabs of at most
-# `logit_slabs.LOGIT_SLAB_BYTES`: "rows" (each slab all V columns of some rows; its backward
-# adds every slab's dz^T X into the fp32 dW, a [V, H] read-modify-write per slab) or "columns"
-# (each slab all N rows of some vocabulary columns, merged by log-sum-exp; its backward writes
-# each slab's rows of dW once and adds into the fp32 dX instead, an [N, H] read-modify-write per
-# slab). Columns move less memory while N < V. The fused losses need whole rows (a token's
-# gradient needs its log-prob) and always cut rows. bench/gpu/profile_head.py times both.
-LOGPROB_SLABS = "rows"
-# How the fused losses (GRPO, NLL) get their gradients for 16-bit inputs: "stored" (each slab's
-# logits formed once, kept in fp32 and reused for the gradients: 6·N·H·V; logit_slabs.py) or
-# "recompute" (the log-prob forward, then the backward recomputing the logits: 8·N·H·V). On an
-# H200 the fused GRPO loss took 63.4 ms stored against 90.4 recomputed (N = 16384, H = 2560).
-ROW_GRADS_VARIANT = "stored"
 
 
-def stores_logits(variant: str, dtype: torch.dtype) -> bool:
-    """Whether a variant choice (FORWARD_VARIANT, BACKWARD_VARIANT, ROW_GRADS_VARIANT) takes the
-    stored-logits path for inputs of this dtype: it asks for "stored" and the dtype is 16-bit."""
-    return variant == "stored" and dtype in STORED_LOGITS_DTYPES
-
-
-def tiles_for(device: torch.device, kernel: str, dtype: torch.dtype) -> dict[str, int]:
+def tiles_for(
+    device: torch.device, kernel: str, dtype: torch.dtype, variants: Variants
+) -> dict[str, int]:
+    """The tile shape and launch options of `kernel` for this call: the caller's
+    (`variants.tiles`), else the interpreter's on the CPU, else the CUDA table for the dtype."""
+    chosen = variants.tile_shape(kernel)
+    if chosen is not None:
+        return chosen
     if device.type == "cpu" and triton_interpreting():
         return dict(INTERPRETER_TILES[kernel])
     return dict((CUDA_TILES_FP32 if dtype == torch.float32 else CUDA_TILES)[kernel])
