@@ -45,10 +45,14 @@ import torch
 
 __all__ = ["STORED_LOGITS_DTYPES", "TILED_KERNELS", "Variants"]
 
-FORWARDS = ("stored", "kernel")
-BACKWARDS = ("stored", "slabs", "atomic")
-ROW_GRADS = ("stored", "recompute")
-SLAB_ORIENTATIONS = ("rows", "columns")
+# Each choice and what it may be (the default first).
+CHOICES = {
+    "forward": ("stored", "kernel"),
+    "backward": ("stored", "slabs", "atomic"),
+    "row_grads": ("stored", "recompute"),
+    "logprob_slabs": ("rows", "columns"),
+}
+SLAB_BOUNDS = ("logit_slab_bytes", "grad_slab_bytes")
 # The Triton GEMM kernels whose tile shapes a caller may set (`Variants.tiles`): the log-prob
 # forward ("kernel"), the atomic backward, and the slab backward's logit-gradient kernel; the
 # blocks each one's shape must give.
@@ -61,15 +65,8 @@ TILED_KERNELS = tuple(TILE_BLOCKS)
 LAUNCH_OPTIONS = {"num_warps", "num_stages"}
 STORED_LOGITS_DTYPES = (torch.bfloat16, torch.float16)
 
-# The choices a spec spells, in its order (then the tile shapes).
-SPEC_FIELDS = (
-    "forward",
-    "backward",
-    "row_grads",
-    "logprob_slabs",
-    "logit_slab_bytes",
-    "grad_slab_bytes",
-)
+# The fields a spec spells, in its order (then the tile shapes).
+SPEC_FIELDS = (*CHOICES, *SLAB_BOUNDS)
 TileShapes = tuple[tuple[str, tuple[tuple[str, int], ...]], ...]
 
 
@@ -96,17 +93,12 @@ class Variants:
     tiles: Mapping[str, Mapping[str, int]] | TileShapes = ()
 
     def __post_init__(self) -> None:
-        for name, allowed in (
-            ("forward", FORWARDS),
-            ("backward", BACKWARDS),
-            ("row_grads", ROW_GRADS),
-            ("logprob_slabs", SLAB_ORIENTATIONS),
-        ):
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"Variants.{name} must be one of {allowed}, got {getattr(self, name)!r}"
                 )
-        for name in ("logit_slab_bytes", "grad_slab_bytes"):
+        for name in SLAB_BOUNDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Variants.{name} must be a positive int, got {value!r}")
@@ -146,7 +138,7 @@ class Variants:
                 _, kernel, key = name.split(".")
                 tiles.setdefault(kernel, {})[key] = int(value)
             else:
-                choices[name] = int(value) if name.endswith("_bytes") else value
+                choices[name] = int(value) if name in SLAB_BOUNDS else value
         return Variants(**choices, tiles=tiles)
 
 
