@@ -5,26 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from pathlib import Path
 
 import pytest
 
-from rlmtrain.config import RolloutConfig
+from rlmtrain.config import RolloutConfig, load_config
 from rlmtrain.envs.evidence import EvidenceEnv
 from rlmtrain.envs.evidence_teacher import (
     TEACHER_LIMITS,
     child_plan,
     child_prompt,
+    compact_child_plan,
     compact_root_plan,
     parse_query,
     reply,
     root_plan,
 )
 from rlmtrain.envs.synth import synthesize
+from rlmtrain.envs.teacher import fenced_code
+from rlmtrain.model.bpe import train_bpe
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rlm.records import read_groups, write_groups
 from rlmtrain.rollout.teaching import teach
 
 MULTI_TASKS = 50
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +179,21 @@ def test_teacher_repls_keep_the_configured_output_limit(env_and_tasks):
     cut = [out for out in outputs if marker.search(out)]
     assert cut, "no output was long enough to be clipped"
     assert all(len(marker.sub("", out)) <= 500 for out in outputs)
+
+
+def test_compact_replies_fit_the_default_turn(env_and_tasks, tmp_path):
+    """Every block of the compact plans, fenced as the teacher replies, fits the embedded
+    default's `rollout.max_new_tokens` with room to spare under a BPE trained as the run trains
+    one (on `vocabulary_texts`): a cut reply would teach SFT a turn that never runs."""
+    env, tasks = env_and_tasks
+    env = EvidenceEnv(env.corpus, prompt_style="compact")
+    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.toml"), [])
+    tok = train_bpe(env.vocabulary_texts(tasks), cfg.model.bpe_vocab_size, tmp_path / "tok")
+    blocks = [
+        block
+        for task in tasks
+        for block in compact_root_plan(task.query, len(task.paper_ids))
+        + compact_child_plan(task.query)
+    ]
+    longest = max(len(tok.encode(fenced_code(block))) for block in blocks)
+    assert longest <= cfg.rollout.max_new_tokens - 8, longest

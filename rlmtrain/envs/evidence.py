@@ -131,16 +131,19 @@ class EvidenceEnv(Env):
         """The base texts, the tasks' papers, and the teacher's code for every task (root and
         child plans), so tool names and code idioms get tokens of their own."""
         from rlmtrain.envs.evidence_teacher import compact_child_plan, compact_root_plan
+        from rlmtrain.envs.teacher import fenced_code
 
         papers = {pid: self.corpus[pid] for task in tasks for pid in task.paper_ids}
         texts = super().vocabulary_texts(tasks)
         for paper in papers.values():
             texts += [paper.title, paper.abstract, paper.text]
         # The code is a small share of the text but every completion: weighted up, its idioms
-        # become single tokens and a turn's code gets shorter.
+        # become single tokens and a turn's code gets shorter. Fenced as a reply is, so that the
+        # fence lines are a token or two rather than ten.
         for task in tasks:
             plans = compact_root_plan(task.query, len(task.paper_ids))
-            texts += (plans + compact_child_plan(task.query)) * CODE_WEIGHT
+            replies = [fenced_code(code) for code in plans + compact_child_plan(task.query)]
+            texts += replies * CODE_WEIGHT
         return texts
 
     def synthesize(self, out_dir: Path, *, groups: int, first_group: int, config: Config) -> Path:

@@ -16,15 +16,16 @@ one, cut out with `extract_section`. Strategies follow the system prompt:
                  (a child plays the one-paper plan on its paper) -> join "[id] passage", FINAL_VAR
 
 The compact plans (prompt_style = "compact", for small models trained from scratch) keep the
-same strategy in two turns each, and code that is a template but for what the query names:
+same strategy in two turns each, in code that is the same for every query of a role:
 
-    one paper:   search(context, lead words of the query's family) -> the sentences, FINAL_VAR
+    one paper:   lead = the opening words of the query's family, looked up by the query's
+                 second word; search(context, lead) -> the sentences, FINAL_VAR
     many papers: key = cut from `query`; picks = papers whose abstract names the key
                  -> rlm_query_batched([query] * len(picks), one paper each) -> join, FINAL_VAR
 
-Nothing in them retypes the query: the REPL's `query` holds it (`rlm.agent` binds it), and the
-names the code needs are cut out of it with the family's own words, so a policy learns one
-template per family, not a copy of every name it meets.
+Nothing in them retypes the query: the REPL's `query` holds it (`rlm.agent` binds it), and what
+the code needs is computed from it, so a policy learns one template per role, not a copy of
+every name it meets nor a constant per family.
 
 A query no rule recognises raises ValueError naming it: a teacher that guesses poisons SFT data.
 """
@@ -71,9 +72,6 @@ class QueryRule(msgspec.Struct, kw_only=True, frozen=True):
     """Lower-case text whose presence in a paper's title + abstract makes it worth reading."""
     key: str
     """The name the query turns on (method, dataset or technique), as the abstracts spell it."""
-    key_after: str
-    """The words of the query the key follows to its end (before the "?"): compact plans cut
-    the key out of the REPL's `query` with them rather than retype it."""
 
 
 _FAMILIES: list[tuple[str, re.Pattern[str]]] = [
@@ -104,7 +102,6 @@ def parse_query(query: str) -> QueryRule:
                 opening=f"We evaluate {m}",
                 relevant=f"{m.lower()}:",
                 key=m,
-                key_after="evaluate ",
             )
         if family == "results":
             d = match["d"]
@@ -114,7 +111,6 @@ def parse_query(query: str) -> QueryRule:
                 opening=f"On {d},",
                 relevant=d.lower(),
                 key=d,
-                key_after=" on ",
             )
         t = match["t"]
         if family == "baselines":
@@ -124,7 +120,6 @@ def parse_query(query: str) -> QueryRule:
                 opening="We compare",
                 relevant=f"builds on {t.lower()}",
                 key=t,
-                key_after="based on ",
             )
         return QueryRule(
             family=family,
@@ -132,7 +127,6 @@ def parse_query(query: str) -> QueryRule:
             opening="A limitation of",
             relevant=f"builds on {t.lower()}",
             key=t,
-            key_after="rely on ",
         )
     raise ValueError(f"evidence teacher: no rule for query {query!r}")
 
@@ -242,40 +236,53 @@ def full_root_plan(query: str, n_papers: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _key_code(rule: QueryRule) -> str:
-    return f"query.split({rule.key_after!r})[-1].rstrip('?')"
+# The compact plans hold no choice a policy has to make from the query: every query's root runs
+# the same code, and so does every child. What depends on the query's family is looked up by the
+# code in the REPL (the family is the query's second word), not recalled by the policy. With one
+# constant per family to recall instead (the split words, the opening phrase), a tiny model's SFT
+# confused a different family on each seed. The root's code and the child's share no line and
+# no variable: where they shared their first and last lines, a policy slipped from one into the
+# other mid-turn, and RL's push away from those slips made the other role worse
+# (docs/recipes.md).
+
+_OPENING = (
+    "lead = {'datasets': 'We evaluate', 'baselines': 'We compare', "
+    "'limitations': 'A limitation of'}.get(query.split()[1], "
+    "'On ' + query.split(' on ')[-1].rstrip('?') + ',')"
+)
+"""The words that open an answering passage, by the query's second word (datasets, baselines,
+limitations; "method" for results, whose passage opens with the dataset the query ends on)."""
+
+_KEY = "key = query.replace(' evaluate ', ' on ').split(' on ')[-1].rstrip('?')"
+"""The name the query turns on: every family's ends the query after " on " or " evaluate "."""
 
 
 def compact_child_plan(query: str) -> list[str]:
     """One paper: search the words that open the answer, answer with the sentences they open.
-    The words depend on the query's family alone, but for results, whose dataset is cut out of
-    the REPL's `query`."""
-    rule = parse_query(query)
-    lead = {
-        "datasets": "'We evaluate'",
-        "baselines": "'We compare'",
-        "limitation": "'A limitation of'",
-        "results": f"'On ' + {_key_code(rule)} + ','",
-    }[rule.family]
+    The code is the same for every query (`parse_query` only refuses one of no known family)."""
+    parse_query(query)
     return [
-        f"hits = search(context, {lead}, window=150, bidirectional=False)\nprint(hits)",
-        'answer = "\\n".join(s for v in hits.values() for s in v)\nFINAL_VAR("answer")',
+        f"{_OPENING}\n"
+        "hits = [s for v in search(context, lead, window=150, bidirectional=False).values() "
+        "for s in v]\n"
+        "print(len(hits), 'passages')",
+        'answer = "\\n".join(hits)\nFINAL_VAR("answer")',
     ]
 
 
 def compact_root_plan(query: str, n_papers: int) -> list[str]:
-    """Several papers: keep those whose abstract names the query's key (cut out of `query`),
-    one helper each with the query as its prompt, join their answers; one paper: the child's
-    plan."""
+    """Several papers: keep those whose abstract names the query's key, one helper each with the
+    query as its prompt, join the answers of those that gave one; one paper: the child's plan."""
     if n_papers == 1:
         return compact_child_plan(query)
+    parse_query(query)
     return [
-        f"key = {_key_code(parse_query(query))}\n"
+        f"{_KEY}\n"
         "picks = [p for p in context if key in context[p]['abstract']]\n"
         "answers = rlm_query_batched([query] * len(picks), [{p: context[p]} for p in picks])\n"
-        "print(answers)",
-        'answer = "\\n".join(a for a in answers if not a.startswith("[rlm_query"))\n'
-        'FINAL_VAR("answer")',
+        "print(len(answers), 'answers')",
+        'final = "\\n".join(a for a in answers if not a.startswith("[rlm_query"))\n'
+        'FINAL_VAR("final")',
     ]
 
 
