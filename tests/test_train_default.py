@@ -34,7 +34,6 @@ SHORT = (
     "--train.steps=2",
     "--train.tasks_per_step=2",
     "--rollout.n_samples=4",
-    "--rollout.max_new_tokens=48",
     "--eval.every=1",
     "--eval.tasks=2",
     "--logging.progress=false",
