@@ -22,6 +22,7 @@ seed).
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -79,10 +80,8 @@ def _curve(phases: dict[str, dict]) -> dict[str, float]:
 
 
 def _median_and_worst(results: dict[int, dict[str, float]], key: str) -> tuple[float, float]:
-    values = sorted(r[key] for r in results.values())
-    middle = len(values) // 2
-    median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
-    return median, values[0]
+    values = [r[key] for r in results.values()]
+    return statistics.median(values), min(values)
 
 
 @pytest.mark.slow
