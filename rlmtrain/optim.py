@@ -6,7 +6,8 @@ needs only the step to be back on schedule; the value in force is still written 
 checkpoint and metrics row. Each phase (SFT at `train.sft_lr`, RL at `train.lr`) has its own
 schedule over its own steps: `warmup_steps` of linear warm-up from peak / (warmup + 1), then the
 peak held ("constant") or decayed to `min_lr_ratio` x peak at the phase's last step ("linear",
-"cosine").
+"cosine"). `sft_lr_schedule` gives SFT a schedule of its own: a supervised phase that decays its
+LR settles instead of spiking at a high constant one, while RL keeps a constant LR.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def phase_peak_lr(cfg: Config, phase: str) -> float:
     return cfg.train.lr
 
 
+def phase_schedule(cfg: Config, phase: str) -> str:
+    if phase == "sft" and cfg.train.sft_lr_schedule != "same":
+        return cfg.train.sft_lr_schedule
+    return cfg.train.lr_schedule
+
+
 def lr_at(cfg: Config, phase: str, step: int) -> float:
     """The LR of 0-based `step` of `phase` ("sft" | "rl")."""
     train = cfg.train
@@ -45,12 +52,13 @@ def lr_at(cfg: Config, phase: str, step: int) -> float:
     warmup = train.warmup_steps
     if step < warmup:
         return peak * (step + 1) / (warmup + 1)
-    if train.lr_schedule == "constant":
+    schedule = phase_schedule(cfg, phase)
+    if schedule == "constant":
         return peak
     span = max(1, steps - 1 - warmup)
     progress = min(1.0, (step - warmup) / span)
     floor = train.min_lr_ratio * peak
-    if train.lr_schedule == "linear":
+    if schedule == "linear":
         return peak - (peak - floor) * progress
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

@@ -28,6 +28,7 @@ SCHEDULE_KEYS = (
     "train.sft_lr",
     "train.lr",
     "train.lr_schedule",
+    "train.sft_lr_schedule",
     "train.warmup_steps",
     "train.min_lr_ratio",
     "algo.exploration_beta",

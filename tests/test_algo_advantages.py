@@ -149,6 +149,25 @@ def test_step_rewards_add_per_turn_after_tool_credit():
     assert only_steps[0].turns["t/r0"] == [1.25, 0.5, 1.0]
 
 
+def test_group_baseline_centres_step_rewards_over_the_group_trees():
+    """Every turn of the group's scored trees, children too, counts once in the mean; a
+    trajectory without step rewards is neither counted nor shifted, and other groups are apart."""
+    group = _group("t", [[2, 2], [3], [1]], children={0: [[1, 1]]})
+    other = _group("u", [[1], [1]])
+    steps = {"t/r0": [0.5, 0.25], "t/r0/c0": [1.0, 0.0], "t/r1": [0.75], "u/r0": [0.3]}
+    rewards = StepRewards(roots=[[1.0, 0.0, 0.0], [1.0, 0.0]], turn_rewards=steps)
+    cfg = AlgoConfig(step_reward_baseline="group", std_normalize=False)
+    (t, u), _ = compute_advantages([group, other], rewards, cfg, eps=0.0)
+    baseline = (0.5 + 0.25 + 1.0 + 0.0 + 0.75) / 5
+    assert t.turns["t/r0"] == pytest.approx([2 / 3 + 0.5 - baseline, 2 / 3 + 0.25 - baseline])
+    assert t.turns["t/r0/c0"] == pytest.approx([2 / 3 + 1.0 - baseline, 2 / 3 - baseline])
+    assert t.turns["t/r1"] == pytest.approx([-1 / 3 + 0.75 - baseline])
+    assert t.turns["t/r2"] == pytest.approx([-1 / 3])
+    assert u.turns["u/r0"] == pytest.approx([0.5])  # its only scored turn is its own mean
+    plain, _ = compute_advantages([group, other], rewards, AlgoConfig(std_normalize=False))
+    assert plain[0].turns["t/r1"] == pytest.approx([-1 / 3 + 0.75])
+
+
 def test_bad_inputs_name_what_is_wrong():
     group = _group("t", [[2, 2], [3]])
     with pytest.raises(ValueError, match="task t: 3 rewards for 2 roots"):

@@ -150,6 +150,9 @@ PREFLIGHT_CASES = [
      "algo.updates_per_batch"),
     (["--train.adam_betas=[0.9]"], "train.adam_betas"),
     (["--train.warmup_steps=400"], "train.warmup_steps"),
+    (["--train.min_lr_ratio=0.1"], "train.min_lr_ratio"),
+    (["--algo.step_rewards=off", "--algo.step_reward_baseline=group"],
+     "algo.step_reward_baseline"),
     (["--model.tokenizer=bpe", "--model.hf_dir=some/folder"], "model.tokenizer"),
     (["--rollout.colocate=true"], "rollout.colocate"),
 ]  # fmt: skip

@@ -9,7 +9,11 @@ judges compute them elsewhere:
 - tool credit (BookNavigator): Ã_t = A + alpha * |A| * (c_t - c̄), c_t in {-1, 0, 1} a judge's label
   of turn t and c̄ the mean label of that trajectory; the |A| scale keeps the sign of A for
   alpha <= 1/2 and makes credit vanish where the outcome carries no signal;
-- step rubric rewards (LongTraceRL): one combined score per turn, added to that turn's advantage.
+- step rubric rewards (LongTraceRL): one combined score per turn, added to that turn's advantage;
+  with `step_reward_baseline = "group"` less the mean score over every turn of the group's scored
+  trees. The rubric's scores are mostly positive, so added as they are they raise every sampled
+  token, a slip in a good turn most of all (its gradient is largest where its probability is
+  least); centred, they only move credit from a group's weaker turns to its stronger ones.
 
 The std is the population std (ddof=0) of the scored rewards. The group is the whole population
 being compared, not a sample from which a wider spread is estimated; with ddof=0 the normalised
@@ -143,12 +147,17 @@ def compute_advantages(
                 stats.groups_dropped_uniform += 1
                 continue
             stats.groups_kept_uniform += 1
+        trees = [(traj, a) for root, a in scored for traj in group.tree(root)]
+        baseline = 0.0
+        if per_turn is not None and config.step_reward_baseline == "group":
+            baseline = _mean_step_reward(per_turn, [traj for traj, _ in trees])
         turns: dict[str, list[float]] = {}
-        for root, a in scored:
-            for traj in group.tree(root):
-                credit = tool_credit.get(traj.id) if alpha > 0 else None
-                steps = per_turn.get(traj.id) if per_turn is not None else None
-                turns[traj.id] = refine_turns(traj, a, alpha=alpha, credit=credit, steps=steps)
+        for traj, a in trees:
+            credit = tool_credit.get(traj.id) if alpha > 0 else None
+            steps = per_turn.get(traj.id) if per_turn is not None else None
+            if steps is not None and baseline:
+                steps = [s - baseline for s in steps]
+            turns[traj.id] = refine_turns(traj, a, alpha=alpha, credit=credit, steps=steps)
         root_advantages = {root.id: a for root, a in scored}
         result.append(GroupAdvantages(group_index=index, roots=root_advantages, turns=turns))
     stats.groups_used = len(result)
@@ -180,6 +189,14 @@ def refine_turns(
         _check_per_turn(traj, "step rewards", steps)
         values = [v + float(s) for v, s in zip(values, steps, strict=True)]
     return values
+
+
+def _mean_step_reward(
+    per_turn: dict[str, Sequence[float]], trajectories: list[Trajectory]
+) -> float:
+    """Mean step reward over every turn of `trajectories` that has one (0.0 if none has)."""
+    values = [float(s) for traj in trajectories for s in per_turn.get(traj.id, ())]
+    return math.fsum(values) / len(values) if values else 0.0
 
 
 def _check_per_turn(traj: Trajectory, what: str, values: Sequence) -> None:

@@ -82,6 +82,11 @@ def preflight(config: Config) -> str:
             "'judge' labels turns for the tool credit, which algo.tool_credit_alpha = 0 turns off",
         ),
         (
+            "algo.step_reward_baseline",
+            algo.step_reward_baseline == "none" or algo.step_rewards != "off",
+            "a baseline for step rewards, but algo.step_rewards = 'off' scores no step",
+        ),
+        (
             "train.adam_betas",
             len(train.adam_betas) == 2 and all(0 <= b < 1 for b in train.adam_betas),
             f"{train.adam_betas} must be two numbers in [0, 1)",
@@ -90,6 +95,14 @@ def preflight(config: Config) -> str:
             "train.warmup_steps",
             train.warmup_steps == 0 or train.warmup_steps < max(train.steps, train.sft_steps),
             f"{train.warmup_steps} warm-up steps leave no step at the peak LR in either phase",
+        ),
+        (
+            "train.min_lr_ratio",
+            train.min_lr_ratio == 0
+            or train.lr_schedule != "constant"
+            or train.sft_lr_schedule not in ("same", "constant"),
+            f"{train.min_lr_ratio} is the floor of a decaying LR, but both phases hold theirs "
+            "constant; set train.lr_schedule or train.sft_lr_schedule",
         ),
         (
             "model.tokenizer",

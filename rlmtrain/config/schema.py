@@ -233,6 +233,14 @@ class AlgoConfig(Section):
         float, _doc("step rubric: weight of a turn building on the history", ge=0)
     ] = 0.3
     step_cost: Annotated[float, _doc("step rubric: efficiency penalty each turn pays", ge=0)] = 0.05
+    step_reward_baseline: Annotated[
+        Literal["none", "group"],
+        _doc(
+            "what a turn's step reward is measured against: none (added as scored, the method) "
+            "or group (less the mean over every turn of its group's trees, so the rubric moves "
+            "credit between turns instead of raising every sampled token)"
+        ),
+    ] = "none"
     updates_per_batch: Annotated[
         int,
         _doc(
@@ -256,6 +264,10 @@ class TrainConfig(Section):
         Literal["constant", "linear", "cosine"],
         _doc("LR over each phase (SFT, RL): warm up, then hold or decay to min_lr_ratio x peak"),
     ] = "constant"
+    sft_lr_schedule: Annotated[
+        Literal["same", "constant", "linear", "cosine"],
+        _doc("LR schedule of the SFT phase alone; 'same' = lr_schedule"),
+    ] = "same"
     warmup_steps: Annotated[
         int, _doc("steps of linear LR warm-up at the start of each phase", ge=0)
     ] = 0

@@ -1,0 +1,51 @@
+"""The LR schedule: a pure function of phase and step, each phase over its own steps."""
+
+import math
+
+import pytest
+
+from rlmtrain.config import load_config
+from rlmtrain.optim import lr_at
+
+
+def _config(**train):
+    overrides = [f"--train.{key}={value}" for key, value in train.items()]
+    return load_config("configs/tiny-cpu.toml", overrides)
+
+
+def test_constant_holds_each_phase_at_its_own_peak():
+    cfg = _config(sft_steps=10, steps=5, sft_lr=3e-3, lr=3e-4)
+    assert [lr_at(cfg, "sft", s) for s in (0, 9)] == [3e-3, 3e-3]
+    assert [lr_at(cfg, "rl", s) for s in (0, 4)] == [3e-4, 3e-4]
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_decay_reaches_the_floor_at_the_phase_last_step(schedule):
+    cfg = _config(sft_steps=11, steps=5, lr_schedule=schedule, min_lr_ratio=0.1, warmup_steps=2)
+    sft_lrs = [lr_at(cfg, "sft", s) for s in range(11)]
+    assert sft_lrs[0] == pytest.approx(3e-3 / 3) and sft_lrs[1] == pytest.approx(2 * 3e-3 / 3)
+    assert sft_lrs[2] == pytest.approx(3e-3) and sft_lrs[-1] == pytest.approx(3e-4)
+    assert all(a >= b for a, b in zip(sft_lrs[2:-1], sft_lrs[3:], strict=True))
+    # halfway through the 8-step decay both schedules stand midway between peak and floor
+    assert sft_lrs[2 + 4] == pytest.approx((3e-3 + 3e-4) / 2)
+    quarter = sft_lrs[2 + 2]
+    linear_quarter, cosine_quarter = (
+        3e-3 - 0.25 * 2.7e-3,
+        3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 4)),
+    )
+    assert quarter == pytest.approx(linear_quarter if schedule == "linear" else cosine_quarter)
+    assert lr_at(cfg, "rl", 4) == pytest.approx(3e-5)
+
+
+def test_sft_lr_schedule_decays_sft_alone():
+    """The default's use: SFT settles on a cosine while RL holds its LR."""
+    cfg = _config(sft_steps=9, steps=5, sft_lr_schedule="cosine", min_lr_ratio=0.1)
+    assert lr_at(cfg, "sft", 0) == pytest.approx(3e-3)
+    assert lr_at(cfg, "sft", 4) == pytest.approx(0.55 * 3e-3)
+    assert lr_at(cfg, "sft", 8) == pytest.approx(3e-4)
+    assert [lr_at(cfg, "rl", s) for s in range(5)] == [3e-4] * 5
+
+
+def test_same_follows_lr_schedule():
+    cfg = _config(sft_steps=9, steps=5, lr_schedule="linear", sft_lr_schedule="same")
+    assert lr_at(cfg, "sft", 8) == 0.0 and lr_at(cfg, "rl", 4) == 0.0
