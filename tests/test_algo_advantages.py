@@ -168,6 +168,23 @@ def test_group_baseline_centres_step_rewards_over_the_group_trees():
     assert plain[0].turns["t/r1"] == pytest.approx([-1 / 3 + 0.75])
 
 
+def test_answered_child_credit_keeps_unanswered_children_out_of_their_root_success():
+    group = _group("t", [[2], [2]], children={0: [[1], [1, 1]], 1: [[1]]})
+    by_id = {t.id: t for t in group.trajectories}
+    for traj in group.trajectories:
+        traj.finish_reason = "final"
+    by_id["t/r0/c1"].finish_reason = "max_turns"
+    by_id["t/r1/c0"].finish_reason = "error"
+    rewards = StepRewards(roots=[[1.0, 0.0]])
+    inherit, _ = compute_advantages([group], rewards, AlgoConfig(), eps=0.0)
+    answered, _ = compute_advantages([group], rewards, AlgoConfig(child_credit="answered"), eps=0.0)
+    assert inherit[0].turns["t/r0/c1"] == [1.0, 1.0] and inherit[0].turns["t/r1/c0"] == [-1.0]
+    assert answered[0].turns["t/r0/c1"] == [-1.0, -1.0]  # ran out of turns under a good root
+    assert answered[0].turns["t/r1/c0"] == [-1.0]  # a failed root's children stay negative
+    for kept in ("t/r0", "t/r0/c0", "t/r1"):
+        assert answered[0].turns[kept] == inherit[0].turns[kept]
+
+
 def test_bad_inputs_name_what_is_wrong():
     group = _group("t", [[2, 2], [3]])
     with pytest.raises(ValueError, match="task t: 3 rewards for 2 roots"):

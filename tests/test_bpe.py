@@ -38,6 +38,24 @@ def test_code_merges_into_few_tokens(tmp_path):
     assert len(tok.encode(code)) <= len(code) / 4, [tok.decode([i]) for i in tok.encode(code)]
 
 
+def test_split_digits_tokenizes_an_unseen_number_like_the_seen_ones(tmp_path):
+    names = [f"pkg/iris{n}/util.py:{n % 9 + 1}| def helper():" for n in range(40)] * 10
+    merged = train_bpe(names, 400, tmp_path / "merged")
+    split = train_bpe(names, 400, tmp_path / "split", split_digits=True)
+
+    def pieces(tok, text):
+        return [tok.decode([i]) for i in tok.encode(text)]
+
+    def shape(tok, text):
+        return [piece for piece in pieces(tok, text) if not piece.isdigit()]
+
+    seen, unseen = " pkg/iris12/util.py", " pkg/iris73/util.py"
+    assert shape(merged, seen) != shape(merged, unseen)  # merges reached into the seen number
+    assert shape(split, seen) == shape(split, unseen)
+    assert [p for p in pieces(split, unseen) if p.isdigit()] == ["7", "3"]
+    assert split.decode(split.encode(TEXTS[0])) == TEXTS[0]
+
+
 def test_deterministic_and_copied_into_a_checkpoint(tmp_path):
     a = train_bpe(TEXTS, 400, tmp_path / "a")
     train_bpe(TEXTS, 400, tmp_path / "b")

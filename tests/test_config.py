@@ -151,9 +151,11 @@ PREFLIGHT_CASES = [
     (["--train.adam_betas=[0.9]"], "train.adam_betas"),
     (["--train.warmup_steps=400"], "train.warmup_steps"),
     (["--train.min_lr_ratio=0.1"], "train.min_lr_ratio"),
+    (["--algo.child_credit=answered", "--rollout.max_depth=0"], "algo.child_credit"),
     (["--algo.step_rewards=off", "--algo.step_reward_baseline=group"],
      "algo.step_reward_baseline"),
     (["--model.tokenizer=bpe", "--model.hf_dir=some/folder"], "model.tokenizer"),
+    (["--model.tokenizer=byte", "--model.bpe_split_digits=true"], "model.bpe_split_digits"),
     (["--rollout.colocate=true"], "rollout.colocate"),
 ]  # fmt: skip
 

@@ -3,8 +3,11 @@
 Only roots are rewarded. Within a task's group the scored roots give
 A_g = (r_g - mean) / (std + eps), or r_g - mean without std normalisation. Every turn of a root
 carries its A_g and every descendant inherits it unchanged, so a child is credited for the answer
-its root finally gave. Two optional per-turn refinements follow, both given as inputs because
-judges compute them elsewhere:
+its root finally gave. With `child_credit = "answered"` a descendant that ended without an
+answer (out of turns, cut off, failed) carries -|A_g| instead: a root can succeed while one of its
+children wrote broken code, and inheriting the root's positive advantage would raise the
+probability of exactly that code. Two optional per-turn refinements follow, both given as inputs
+because judges compute them elsewhere:
 
 - tool credit (BookNavigator): Ã_t = A + alpha * |A| * (c_t - c̄), c_t in {-1, 0, 1} a judge's label
   of turn t and c̄ the mean label of that trajectory; the |A| scale keeps the sign of A for
@@ -153,6 +156,12 @@ def compute_advantages(
             baseline = _mean_step_reward(per_turn, [traj for traj, _ in trees])
         turns: dict[str, list[float]] = {}
         for traj, a in trees:
+            if (
+                config.child_credit == "answered"
+                and traj.depth > 0
+                and traj.finish_reason != "final"
+            ):
+                a = -abs(a)
             credit = tool_credit.get(traj.id) if alpha > 0 else None
             steps = per_turn.get(traj.id) if per_turn is not None else None
             if steps is not None and baseline:

@@ -82,6 +82,11 @@ def preflight(config: Config) -> str:
             "'judge' labels turns for the tool credit, which algo.tool_credit_alpha = 0 turns off",
         ),
         (
+            "algo.child_credit",
+            algo.child_credit == "inherit" or rollout.max_depth > 0,
+            "'answered' credits children, but rollout.max_depth = 0 grows none",
+        ),
+        (
             "algo.step_reward_baseline",
             algo.step_reward_baseline == "none" or algo.step_rewards != "off",
             "a baseline for step rewards, but algo.step_rewards = 'off' scores no step",
@@ -103,6 +108,11 @@ def preflight(config: Config) -> str:
             or train.sft_lr_schedule not in ("same", "constant"),
             f"{train.min_lr_ratio} is the floor of a decaying LR, but both phases hold theirs "
             "constant; set train.lr_schedule or train.sft_lr_schedule",
+        ),
+        (
+            "model.bpe_split_digits",
+            model.tokenizer == "bpe" or not model.bpe_split_digits,
+            "splits digits in the BPE a run trains, but model.tokenizer is not 'bpe'",
         ),
         (
             "model.tokenizer",

@@ -45,6 +45,13 @@ class ModelConfig(Section):
     bpe_vocab_size: Annotated[
         int, _doc("vocabulary of the trained tokenizer when tokenizer = 'bpe'", ge=259)
     ] = 2048
+    bpe_split_digits: Annotated[
+        bool,
+        _doc(
+            "the trained BPE keeps every digit a token of its own, so a number it never saw "
+            "(a held-out package's 'delta72') splits like those it did ('iris0')"
+        ),
+    ] = False
     vocab_size: Annotated[
         int, _doc("embedding rows of a randomly initialised model; 0 = the preset's", ge=0)
     ] = 0
@@ -184,6 +191,14 @@ class AlgoConfig(Section):
     constant_sum_divisor: Annotated[
         float, _doc("divisor for token_aggregation=constant_sum", gt=0)
     ] = 1024.0
+    child_credit: Annotated[
+        Literal["inherit", "answered"],
+        _doc(
+            "what a descendant's turns carry: inherit = its root's advantage (the method); "
+            "answered = the same, but a descendant that ended without an answer carries -|A| "
+            "and never shares in its root's success"
+        ),
+    ] = "inherit"
     child_averaging: Annotated[
         bool, _doc("average children's losses by 1/k (the method); false = flat variant")
     ] = True

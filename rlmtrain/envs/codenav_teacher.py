@@ -1,10 +1,13 @@
 """A scripted code-navigation teacher: the AST-backed expert's moves as REPL code.
 
 The expert cuts the three names out of the REPL's `query` ("where does the function 'A' of the
-file 'P' call 'B'?", names quoted), reads A's definition, lists the calls of A's body, keeps those
-whose callee is written B, and answers with the position: three turns whose code is the same for
-every question (what differs is in the REPL, not in the code), played through the real scheduler
-like every teacher (`rollout/teaching.py`).
+file 'P' call 'B'?", names quoted), lists the calls of A's body, keeps those whose callee is
+written B and prints them; the next turn answers with the position. Two turns whose code is the
+same for every question (what differs is in the REPL, not in the code), played through the real
+scheduler like every teacher (`rollout/teaching.py`). Two, not three: a turn with no history
+computes and a turn with history answers, where with three the policy had to tell turn 2 from
+turn 3 by the one digit of "Turn 3 of 3", and on code bases it had not trained on it wrote turn
+2's code again at turn 3 and ran out of turns (docs/recipes.md, codenav).
 `list_calls` is the same AST index the gold answers come from, so the plan is exact wherever the
 task generator would ask; a question in any other form raises ValueError.
 """
@@ -38,9 +41,8 @@ def plan(query: str) -> list[str]:
     parse_question(query)
     return [
         'caller, path, callee = query.split("\'")[1:6:2]\n'
-        "where = goto_definition(path + ':' + caller)",
-        "calls = list_calls(path + ':' + caller)\n"
-        "hits = [position for name, position in calls if name == callee]\n"
+        "hits = [position for name, position in list_calls(path + ':' + caller)\n"
+        "        if name == callee]\n"
         "print(hits)",
         "FINAL(hits[0])",
     ]

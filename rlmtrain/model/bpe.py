@@ -43,9 +43,14 @@ BPE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json"
 """What a tokenizer folder written here holds (and what `tokenizer_files` lists)."""
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> HFTokenizer:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, out_dir: str | Path, *, split_digits: bool = False
+) -> HFTokenizer:
     """Train a byte-level BPE of `vocab_size` ids (special tokens included) on `texts`, write it
-    to `out_dir` and return it loaded from there."""
+    to `out_dir` and return it loaded from there. `split_digits` makes every digit a piece of its
+    own, never merged: a vocabulary trained on names like 'iris0' and 'cedar60' would otherwise
+    hold each as one token, and a held-out 'delta72' would reach the model in a shape it never
+    saw ('delta', '7', '2')."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(
             f"BPE vocabulary of {vocab_size} is smaller than the 256 bytes plus "
@@ -55,11 +60,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> HFT
     # Pieces are whitespace-delimited (a word keeps its leading space), not split again at
     # punctuation as GPT-2's regex does: code like `context[p]['abstract']]` then merges into a
     # few tokens, which halves a turn's code in tokens against the byte-level default.
+    pieces = [pre_tokenizers.Split(Regex(r" ?[^\s]+|\s+"), behavior="isolated")]
+    if split_digits:
+        pieces.append(pre_tokenizers.Digits(individual_digits=True))
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(r" ?[^\s]+|\s+"), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [*pieces, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

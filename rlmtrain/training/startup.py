@@ -187,7 +187,12 @@ def run_tokenizer(
         tokenizer = load_tokenizer(str(trained))
     elif world.is_main:
         began = time.perf_counter()
-        tokenizer = train_bpe(env.vocabulary_texts(tasks), cfg.model.bpe_vocab_size, trained)
+        tokenizer = train_bpe(
+            env.vocabulary_texts(tasks),
+            cfg.model.bpe_vocab_size,
+            trained,
+            split_digits=cfg.model.bpe_split_digits,
+        )
         log.info(
             "tokenizer: BPE of %d ids trained in %.1f s (%s)",
             tokenizer.vocab_size,
