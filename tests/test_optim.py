@@ -9,7 +9,10 @@ from rlmtrain.optim import lr_at
 
 
 def _config(**train):
-    overrides = [f"--train.{key}={value}" for key, value in train.items()]
+    """The default's config with the schedule keys set here, not inherited from it."""
+    keys = {"sft_lr": 3e-3, "lr": 3e-4, "lr_schedule": "constant", "sft_lr_schedule": "same"}
+    keys |= {"min_lr_ratio": 0.0, "warmup_steps": 0} | train
+    overrides = [f"--train.{key}={value}" for key, value in keys.items()]
     return load_config("configs/tiny-cpu.toml", overrides)
 
 
