@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -94,11 +94,25 @@ def stop() -> None:
             time.sleep(_GLOO_WORKERS_SETTLE_S)
 
 
-def shard(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype) -> Any:
+def shard(
+    model: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype, replicate: int = 1
+) -> Any:
     """FSDP2 over the world: each decoder block a unit, the root (embedding, final norm, LM
-    head) the last; fp32 master weights, `compute_dtype` for the forward and backward."""
-    model.to(device=device, dtype=torch.float32)
-    mesh = init_device_mesh(device.type, (size(),))
+    head) the last; fp32 master weights, `compute_dtype` for the forward and backward.
+
+    `replicate` > 1 is HSDP: the world is `replicate` groups of consecutive ranks (a node's
+    ranks, as torchrun numbers them), each holding one whole copy of the model sharded over its
+    own ranks; parameters are gathered inside a group and only gradients cross between groups.
+
+    A model on the meta device is sharded as it is and then given storage on `device` for its
+    own shards alone, left unset (`materialise.py` fills it); a model with weights is moved to
+    `device` whole first."""
+    if any(p.is_meta for p in model.parameters()):
+        materialise = True
+    else:
+        materialise = False
+        model.to(device=device, dtype=torch.float32)
+    mesh = _mesh(device, replicate)
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
         reduce_dtype=torch.float32,
@@ -111,7 +125,41 @@ def shard(model: torch.nn.Module, device: torch.device, compute_dtype: torch.dty
             # Summed, not averaged; plain SUM collectives, which gloo has (it lacks PREMUL_SUM).
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
+    if materialise:
+        model.to_empty(device=device)
     return model
+
+
+def _mesh(device: torch.device, replicate: int) -> DeviceMesh:
+    world = size()
+    if replicate < 1 or world % replicate:
+        raise ValueError(f"{world} ranks do not split into {replicate} replicas")
+    if replicate == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device.type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def local_rows(parameter: torch.Tensor) -> slice:
+    """The rows of the whole parameter that this rank's shard of it holds (FSDP2 cuts dim 0 as
+    `torch.chunk` does: ceil(n / k) rows per shard, the last ones shorter or empty)."""
+    if not isinstance(parameter, DTensor):
+        return slice(0, parameter.shape[0] if parameter.dim() else 1)
+    mesh = parameter.device_mesh
+    shards = mesh.size(mesh.ndim - 1)
+    coordinate = mesh.get_coordinate()
+    index = 0 if coordinate is None else coordinate[-1]
+    rows = parameter.shape[0]
+    per_shard = -(-rows // shards)
+    start = min(index * per_shard, rows)
+    stop = min(start + per_shard, rows)
+    local = parameter.to_local().shape[0] if parameter.dim() else 1
+    if stop - start != local:
+        raise RuntimeError(
+            f"FSDP2 holds {local} rows of a {rows}-row parameter here, not rows {start}:{stop}"
+        )
+    return slice(start, stop)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

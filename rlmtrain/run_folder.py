@@ -8,6 +8,8 @@
     metrics.jsonl                 one line a step (`logging.metrics_path` puts it elsewhere)
     eval.jsonl, samples.jsonl     the held-out reports, the audited rollout trees
     tb/, curves.png               TensorBoard events, the closing plot
+    ranks/<rank>.json             each rank's note at the start, read by rank 0 to check that
+                                  every rank sees this folder (`launch`), then removed
 
 Every name is here, so the trainer, `rlmtrain eval`, `rlmtrain rollout`, the checkpoints and the
 run log cannot drift apart on where a file is.
@@ -50,6 +52,13 @@ class RunFolder:
     @property
     def final(self) -> Path:
         return self.root / "final"
+
+    @property
+    def ranks(self) -> Path:
+        return self.root / "ranks"
+
+    def rank_note(self, rank: int) -> Path:
+        return self.ranks / f"{rank}.json"
 
     @property
     def evals(self) -> Path:

@@ -36,6 +36,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rlmtrain import parallel
 from rlmtrain.config import Config
+from rlmtrain.launch import check_launcher
 from rlmtrain.training.rl import rl_phase
 from rlmtrain.training.sft import sft_phase
 from rlmtrain.training.startup import check_run_rules, start_run
@@ -46,6 +47,7 @@ log = logging.getLogger("rlmtrain.train")
 def main(cfg: Config) -> int:
     """Train as `cfg` says, as one rank of the world the environment describes (one process
     when not launched by torchrun)."""
+    check_launcher()  # several SLURM tasks without torchrun would be as many separate runs
     world, device = parallel.start(cfg.train.device)
     try:
         level = cfg.logging.level.upper() if world.is_main else "WARNING"

@@ -3,6 +3,7 @@ this process is one of (alone, or under torchrun); rank 0 saves the resulting ma
 
     python tests/distributed_steps.py OUT [--steps 3] [--dtype bfloat16] [--lr 1e-3] [...]
     torchrun --nproc_per_node 2 tests/distributed_steps.py OUT ...
+    torchrun --nproc_per_node 4 tests/distributed_steps.py OUT --replicate 2   (HSDP, 2 x 2)
 
 The rollouts are three hand-made groups of one-turn roots with completions of unequal lengths,
 their engine log-probs those of the initial model, so every run trains on exactly the same
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--adam-eps", type=float, default=1e-8)
     parser.add_argument("--kl-beta", type=float, default=0.0)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--replicate", type=int, default=1)
     args = parser.parse_args()
 
     world, device = parallel.start("cpu")
@@ -112,7 +114,7 @@ def main() -> None:
         model = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
         samples = fixed_samples(model, cfg)
         initial = {k: v.clone() for k, v in model.state_dict().items()}
-        model = parallel.shard(model, device, DTYPES[args.dtype])
+        model = parallel.shard(model, device, DTYPES[args.dtype], args.replicate)
         optimizer = build_optimizer(model, cfg)
         reference = reference_policy(cfg, model, device, None, 0)
         packed = pack(samples, cfg.algo.micro_batch_tokens, world_size=world.size)
@@ -134,6 +136,7 @@ def main() -> None:
                 "changed_fraction": changed / total,
                 "dtypes": sorted({str(v.dtype) for v in state.values()}),
                 "engine_misses": engine_misses,
+                "mesh": list(next(model.parameters()).device_mesh.shape),
             }
             print(json.dumps(summary))
     finally:

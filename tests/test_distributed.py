@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ROOT / "tests" / "distributed_steps.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def _env() -> dict[str, str]:
@@ -35,7 +35,8 @@ def _env() -> dict[str, str]:
 
 
 def _steps(out: Path, *args: str, ranks: int = 1) -> dict:
-    launch = [*TORCHRUN, "--master_port", str(29500 + os.getpid() % 1000)] if ranks > 1 else []
+    port = str(29500 + os.getpid() % 1000)
+    launch = [*TORCHRUN, "--nproc_per_node", str(ranks), "--master_port", port] if ranks > 1 else []
     command = [*(launch or [sys.executable]), str(STEPS), str(out), *args]
     result = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env()
@@ -74,6 +75,20 @@ def test_two_fsdp2_ranks_compute_the_update_of_one_process(tmp_path, variant):
     # Each rank's engine, synced from the shards, holds every weight bit for bit.
     assert alone["engine_misses"] == [[]]
     assert pair["engine_misses"] == [[], []]
+
+
+def test_hsdp_over_two_replicas_computes_the_update_of_fsdp_over_four_ranks(tmp_path):
+    """`parallel.replicate = 2` on 4 ranks: two copies of the model, each sharded over 2 ranks,
+    gradients summed across the copies; the same update as one model sharded over all 4."""
+    args = (*COMMON, "--kl-beta", "0.05")
+    flat = _steps(tmp_path / "fsdp.pt", *args, ranks=4)
+    hybrid = _steps(tmp_path / "hsdp.pt", *args, "--replicate", "2", ranks=4)
+    assert flat["mesh"] == [4]
+    assert hybrid["mesh"] == [2, 2]
+    assert hybrid["losses"] == pytest.approx(flat["losses"], abs=1e-6)
+    assert _max_diff(tmp_path / "fsdp.pt", tmp_path / "hsdp.pt") <= 1e-5
+    assert hybrid["changed_fraction"] > 0.99
+    assert hybrid["engine_misses"] == [[], [], [], []]
 
 
 def test_bf16_compute_moves_every_fp32_master_weight(tmp_path):
@@ -146,7 +161,8 @@ SHORT = (
 @pytest.mark.parametrize("launch", ["python", "torchrun"])
 def test_launched_training_runs_to_the_end(tmp_path, launch):
     port = str(29600 + os.getpid() % 1000)
-    head = [sys.executable] if launch == "python" else [*TORCHRUN, "--master_port", port]
+    torchrun = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", port]
+    head = [sys.executable] if launch == "python" else torchrun
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [*head, "-m", "rlmtrain", "train", *SHORT, f"--checkpoint.dir={run_dir}"],
@@ -171,3 +187,45 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
     assert sorted(p.name for p in newest.glob("rng-*.pkl")) == [
         f"rng-{r}.pkl" for r in range(ranks)
     ]
+
+
+START = ROOT / "tests" / "distributed_start.py"
+
+
+def _qwen3_06b_checkpoint(directory: Path) -> None:
+    """A Qwen3-0.6B-shaped bf16 checkpoint (as published checkpoints are stored) of random
+    weights, written without ever holding the model in fp32."""
+    from rlmtrain.config import ModelConfig
+    from rlmtrain.model import model_skeleton, save_hf
+
+    skeleton = model_skeleton(ModelConfig(preset="qwen3-0.6b"))
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        name: torch.empty(p.shape, dtype=torch.bfloat16).normal_(0, 0.02, generator=generator)
+        for name, p in skeleton.named_parameters()
+    }
+    save_hf(skeleton, directory, state=state)
+
+
+def test_two_ranks_start_a_qwen3_06b_from_a_checkpoint_holding_only_their_shards(tmp_path):
+    """Each rank builds the policy on the meta device, shards it, and reads only its own rows
+    of every tensor from the files: its memory grows by its fp32 shards (half the model) and a
+    little, never by the whole fp32 model (which building it first and sharding it after cost
+    every rank, 2.4 GB here)."""
+    _qwen3_06b_checkpoint(tmp_path / "ckpt")
+    launch = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29700 + os.getpid() % 1000)]
+    result = subprocess.run(
+        [*launch, str(START), str(tmp_path / "ckpt")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_HANG_S,
+        env=_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    whole = figures["whole_fp32_bytes"]
+    assert whole > 2.3e9  # the real shape: 596M parameters
+    for rank in figures["ranks"]:
+        assert rank["shard"] == pytest.approx(whole / 2, rel=0.01)
+        assert rank["peak"] <= 0.65 * whole, (rank, whole)

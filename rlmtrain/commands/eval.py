@@ -120,6 +120,7 @@ def evaluate_checkpoint(config: Config, checkpoint: Path | None) -> dict[str, An
     from rlmtrain.envs.base import get_env
     from rlmtrain.evaluation import evaluate
     from rlmtrain.model import build_model
+    from rlmtrain.model.tokenizer import with_chat_template_kwargs
     from rlmtrain.rewards.chat_client import check_served
     from rlmtrain.training.startup import prepared_tokenizer
 
@@ -137,6 +138,9 @@ def evaluate_checkpoint(config: Config, checkpoint: Path | None) -> dict[str, An
         tokenizer = load_tokenizer(str(checkpoint))
     else:
         config, tokenizer = prepared_tokenizer(config, env)
+    # The scheduler binds them too; here a tokenizer that cannot use them fails before the model
+    # loads.
+    tokenizer = with_chat_template_kwargs(tokenizer, config.rollout.chat_template_kwargs)
     if checkpoint is None:
         started = config.model.hf_dir or f"preset {config.model.preset}, seed {config.model.seed}"
         print(

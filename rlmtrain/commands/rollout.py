@@ -43,6 +43,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 async def _rollout(config: Any, tasks: list[Any], env: Any, out: Path) -> str:
+    from rlmtrain.model.tokenizer import with_chat_template_kwargs
     from rlmtrain.rlm.records import write_groups
     from rlmtrain.rollout.engines import build_engine
     from rlmtrain.rollout.progress import RolloutProgress
@@ -51,6 +52,9 @@ async def _rollout(config: Any, tasks: list[Any], env: Any, out: Path) -> str:
     from rlmtrain.training.startup import prepared_tokenizer
 
     config, tokenizer = prepared_tokenizer(config, env)
+    # The scheduler binds them too; here a tokenizer that cannot use them fails before the model
+    # loads.
+    tokenizer = with_chat_template_kwargs(tokenizer, config.rollout.chat_template_kwargs)
     engine = build_engine(config, tokenizer)
     scheduler = Scheduler(engine, tokenizer, config.rollout)
     progress = RolloutProgress(len(tasks) * config.rollout.n_samples, engine)

@@ -32,6 +32,7 @@ from rlmtrain.config.schema import (
     JudgeConfig,
     LoggingConfig,
     ModelConfig,
+    ParallelConfig,
     RolloutConfig,
     TrainConfig,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "JudgeConfig",
     "LoggingConfig",
     "ModelConfig",
+    "ParallelConfig",
     "RolloutConfig",
     "TrainConfig",
     "apply_overrides",

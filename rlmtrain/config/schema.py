@@ -166,6 +166,13 @@ class RolloutConfig(Section):
             "KV cache, and wakes for the next rollout: weights, then the sync, then KV cache"
         ),
     ] = False
+    chat_template_kwargs: Annotated[
+        dict[str, str | int | float | bool],
+        _doc(
+            "extra variables of the chat template at every render, rollouts and SFT alike "
+            "(Qwen3: {enable_thinking = false})"
+        ),
+    ] = msgspec.field(default_factory=dict)
 
 
 class AlgoConfig(Section):
@@ -308,6 +315,17 @@ class TrainConfig(Section):
     seed: Annotated[int, _doc("seed for sampling and data order", ge=0, le=SEED_MAX)] = 0
 
 
+class ParallelConfig(Section):
+    replicate: Annotated[
+        int,
+        _doc(
+            "HSDP: replicas of the model, each sharded over world / replicate ranks (one per "
+            "node: shards stay inside a node, only gradients cross); 1 = FSDP over every rank",
+            ge=1,
+        ),
+    ] = 1
+
+
 class CheckpointConfig(Section):
     dir: Annotated[str, _doc("run folder for checkpoints, logs and data")] = "runs/tiny"
     every: Annotated[
@@ -400,6 +418,7 @@ class Config(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     algo: AlgoConfig = msgspec.field(default_factory=AlgoConfig)
     train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)

@@ -36,6 +36,7 @@ from rlmtrain.model.transformer import Transformer
 
 __all__ = [
     "CheckpointError",
+    "RowReader",
     "args_from_hf_config",
     "hf_config",
     "hf_named",
@@ -251,6 +252,80 @@ def load_hf(
             f"{directory}: missing tensor {missing[0]!r} ({len(missing)} missing in all)"
         )
     return model
+
+
+class RowReader:
+    """A checkpoint folder's tensors, read a range of rows at a time straight into a buffer of
+    the caller's (plain reads; no memory map), so a rank that holds a shard of each parameter
+    reads only its own rows and never holds, nor maps, the rest of the file."""
+
+    _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self._where: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
+        for path in _weight_files(self.directory):
+            for name, entry in _safetensors_header(path).items():
+                try:
+                    dtype = self._DTYPES[entry["dtype"]]
+                except KeyError:
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} is {entry['dtype']}, not F32, BF16 or F16"
+                    ) from None
+                self._where[name] = (path, entry["start"], dtype, tuple(entry["shape"]))
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._where[name][3]
+
+    def read_rows(self, name: str, rows: slice) -> Tensor:
+        """Rows `rows` of tensor `name` (all of a 0-d one) in the file's dtype, on the CPU."""
+        path, start, dtype, shape = self._where[name]
+        if not shape:
+            shape, rows = (1,), slice(0, 1)
+        count = rows.stop - rows.start
+        out = torch.empty((count, *shape[1:]), dtype=dtype)
+        row_bytes = out[0].numel() * out.element_size() if count else 0
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start + rows.start * row_bytes)
+            wanted = count * row_bytes
+            view = memoryview(out.view(torch.uint8).numpy()).cast("B") if wanted else b""
+            got = 0
+            while got < wanted:
+                n = f.readinto(view[got:])  # type: ignore[index]
+                if not n:
+                    raise CheckpointError(f"{path}: tensor {name!r} ends early (truncated file)")
+                got += n
+        return out
+
+
+def _safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """{name: {dtype, shape, start}} of a safetensors file, `start` its first data byte."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        size = path.stat().st_size
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable safetensors file: {exc}") from None
+    entries = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+            entries[name] = {
+                "dtype": entry["dtype"],
+                "shape": entry["shape"],
+                "start": 8 + length + begin,
+            }
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if 8 + length + end > size:
+            raise CheckpointError(f"{path}: tensor {name!r} ends past the file (truncated file)")
+    return entries
 
 
 def _weight_files(directory: Path) -> list[Path]:

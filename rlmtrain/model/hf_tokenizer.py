@@ -6,13 +6,19 @@ training. `chat_template.jinja` wins over `tokenizer_config.json`'s entry, as in
 Control tokens inside message strings are encoded as text by default, piece for piece as
 transformers' `sanitize_control_tokens=True` does (see `model/tokenizer.py`).
 
+Extra template variables (Qwen3's `enable_thinking`, `rollout.chat_template_kwargs`) are bound
+once, `with_template_kwargs`, and then go to every render, so a run's SFT samples, rollouts and
+evaluation share one prompt format. A name the template never reads is refused rather than
+ignored (a typo, or a switch of another model family, would otherwise change nothing silently),
+and so is one the renderer sets itself (`RENDER_VARIABLES`).
+
 Refused on purpose: `tokenizer.json`-less (SentencePiece-only) checkpoints, the `tools=` schema
-variable and other extra template variables (the RLM scaffold puts tools in the REPL, not in the
-prompt), and batched calls.
+(the RLM scaffold puts tools in the REPL, not in the prompt), and batched calls.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -23,13 +29,14 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rlmtrain.model.chat import Message, TokenizerError, check_messages
 
-__all__ = ["HFTokenizer"]
+__all__ = ["RENDER_VARIABLES", "HFTokenizer"]
 
 
 # transformers' template variables for the named special tokens (`special_tokens_map`).
@@ -41,6 +48,21 @@ _SPECIAL_TOKEN_KEYS = (
     "pad_token",
     "cls_token",
     "mask_token",
+)
+
+# Variables every render sets itself, as transformers' `apply_chat_template` does, and the
+# environment's globals: an extra template variable of one of these names would replace it.
+RENDER_VARIABLES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "tools",
+        "documents",
+        *_SPECIAL_TOKEN_KEYS,
+        "raise_exception",
+        "strftime_now",
+        "namespace",
+    }
 )
 
 # Tokens that close an assistant turn in the common chat formats (ChatML/Qwen, Llama 3, Gemma,
@@ -206,6 +228,7 @@ class HFTokenizer:
         self._source = source
         self._special_tokens = dict(special_tokens)
         self._chat_template = chat_template
+        self._template_kwargs: dict[str, Any] = {}
         if "eos_token" not in self._special_tokens:
             raise TokenizerError(
                 f"{source}: no eos_token (tokenizer_config.json) nor eos_token_id "
@@ -305,6 +328,40 @@ class HFTokenizer:
             raise TokenizerError(f"{token!r} is not in the vocabulary of {self._source}")
         return token_id
 
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The extra variables every render passes to the chat template."""
+        return dict(self._template_kwargs)
+
+    @cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (those it never sets itself)."""
+        ast = self._template.environment.parse(self._chat_template)
+        return frozenset(jinja2.meta.find_undeclared_variables(ast))
+
+    def with_template_kwargs(self, kwargs: Mapping[str, Any]) -> HFTokenizer:
+        """A copy of this tokenizer whose every render passes `kwargs` to the chat template, as
+        transformers' `apply_chat_template(..., **kwargs)` does (they replace any bound before).
+        TokenizerError for a folder without a chat template, a name in `RENDER_VARIABLES`, or a
+        name the template never reads."""
+        if kwargs:
+            taken = sorted(set(kwargs) & RENDER_VARIABLES)
+            if taken:
+                raise TokenizerError(
+                    f"{', '.join(map(repr, taken))}: the renderer sets that template variable "
+                    "itself (messages, add_generation_prompt, tools, documents, the special "
+                    "tokens); use another name"
+                )
+            unread = sorted(set(kwargs) - self.template_variables)
+            if unread:
+                raise TokenizerError(
+                    f"the chat template of {self._source} never reads "
+                    f"{', '.join(map(repr, unread))}, so setting it would change nothing"
+                )
+        bound = copy.copy(self)
+        bound._template_kwargs = dict(kwargs)
+        return bound
+
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
         return self._render(check_messages(messages), add_generation_prompt)
 
@@ -345,6 +402,7 @@ class HFTokenizer:
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
+                **self._template_kwargs,
             )
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"chat template of {self._source}: {exc}") from exc

@@ -12,13 +12,20 @@ strings like `<|im_end|>` and must not be able to end a turn or forge a role. Fo
 text, and only those the template writes itself as tokens (transformers'
 `sanitize_control_tokens=True`); `sanitize_control_tokens=False` gives transformers' default.
 Errors name the file or the message at fault.
+
+`with_chat_template_kwargs` binds `rollout.chat_template_kwargs` (Qwen3's `enable_thinking`) to a
+tokenizer: the scheduler binds them, so every rollout, evaluation and teacher tree (the SFT
+samples) renders with them, and the commands bind them as the tokenizer loads, so a tokenizer
+that cannot use them is refused before a model loads.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
+from rlmtrain.config import ConfigError
 from rlmtrain.model.chat import Message, Tokenizer, TokenizerError, check_messages
 from rlmtrain.model.hf_tokenizer import HFTokenizer
 
@@ -28,7 +35,10 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "load_tokenizer",
+    "with_chat_template_kwargs",
 ]
+
+T = TypeVar("T")
 
 
 def load_tokenizer(spec: str, hf_dir: str = "") -> Tokenizer:
@@ -43,6 +53,27 @@ def load_tokenizer(spec: str, hf_dir: str = "") -> Tokenizer:
             "set model.tokenizer to 'byte' or to a folder with tokenizer.json"
         )
     return HFTokenizer.from_dir(hf_dir)
+
+
+def with_chat_template_kwargs(tokenizer: T, kwargs: Mapping[str, Any]) -> T:
+    """`tokenizer` rendering every chat with `kwargs` (`rollout.chat_template_kwargs`) as extra
+    chat-template variables, replacing any bound before; a tokenizer other than `HFTokenizer` is
+    returned as it is when `kwargs` is empty. ConfigError naming the key when the tokenizer
+    cannot use them: no Jinja template (the byte tokenizer's fixed ChatML), a name the renderer
+    sets itself, or a name the template never reads (the trained BPE's ChatML template reads
+    none)."""
+    if isinstance(tokenizer, HFTokenizer):
+        try:
+            return tokenizer.with_template_kwargs(kwargs)
+        except TokenizerError as exc:
+            raise ConfigError(f"rollout.chat_template_kwargs: {exc}") from exc
+    if kwargs:
+        raise ConfigError(
+            f"rollout.chat_template_kwargs: {type(tokenizer).__name__} writes a fixed ChatML "
+            f"format, with no chat template to pass {', '.join(map(repr, kwargs))} to; leave "
+            "it {} or use a tokenizer folder with a chat template"
+        )
+    return tokenizer
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ would round) and cast to the activation dtype, as Hugging Face does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -164,13 +164,20 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Random init from `seed` alone: normal(0, std) matrices, unit norm scales."""
+        params = dict(self.named_parameters())
+        for name, values in self.initial_values(seed, std):
+            params[name].copy_(values)
+
+    def initial_values(self, seed: int, std: float = 0.02) -> Iterator[tuple[str, Tensor]]:
+        """(name, whole fp32 value) of every parameter as `init_weights` sets it, one at a time
+        in the module's order: what a sharded model takes its own rows from, holding one whole
+        parameter at a time instead of the model."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                yield name, torch.ones(param.shape, dtype=torch.float32)
             else:
-                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-                param.copy_(values)
+                yield name, torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
 
     def forward(
         self,

@@ -24,6 +24,10 @@ an answer string, as any failed child is). `abort(root_id)` cancels a whole tree
 requests are cancelled (the engine frees their batch slots), its workers killed, and its
 unfinished trajectories keep finish_reason "aborted".
 
+Every prompt is rendered by the tokenizer bound to `rollout.chat_template_kwargs` here
+(`model.tokenizer.with_chat_template_kwargs`), so RL rollouts, evaluations and the teacher's
+trees (the SFT samples) share one prompt format; the engines take the token ids as rendered.
+
 The REPL is reached through `start_zygote` (default: `rlm.repl.Zygote.start` with the config's
 limits), which a benchmark may replace to drive the engine path without executing code.
 """
@@ -42,6 +46,7 @@ from typing import Any, Protocol
 import msgspec
 
 from rlmtrain.config import RolloutConfig, too_few_workers
+from rlmtrain.model.tokenizer import with_chat_template_kwargs
 from rlmtrain.rlm.agent import (
     Agent,
     AgentLimits,
@@ -145,7 +150,7 @@ class Scheduler:
         if too_few_workers(config):
             raise ValueError(too_few_workers(config))
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.tokenizer = with_chat_template_kwargs(tokenizer, config.chat_template_kwargs)
         self.config = config
         self.limits = AgentLimits.from_config(config)
         self.sampling = sampling or SamplingParams(

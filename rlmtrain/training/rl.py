@@ -32,6 +32,7 @@ from rlmtrain.rewards.step_rewards import StepRewarder
 from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.scheduler import Scheduler
+from rlmtrain.training.materialise import sharded_like
 from rlmtrain.training.run import Run, mean_or_nan
 from rlmtrain.training.steps import DTYPES, grpo_step, pack_samples
 
@@ -181,26 +182,13 @@ def reference_policy(
     a run resumed inside RL reads the one its checkpoint saved."""
     if cfg.algo.kl_beta <= 0:
         return None
-    reference = parallel.shard(_uninitialised_like(model), device, DTYPES[cfg.model.dtype])
+    reference = sharded_like(model, device, DTYPES[cfg.model.dtype])
     if resume_from is not None and step > 0:
         checkpointing.load_frozen(resume_from, "reference", reference)
     else:
         set_model_state_dict(reference, get_model_state_dict(model))
     reference.requires_grad_(False)
     return reference.eval()
-
-
-def _uninitialised_like(model: Transformer) -> Transformer:
-    """A model of `model`'s shape whose weights are left unset (built on the meta device and
-    given storage only): for a copy whose weights are loaded next, where a default init of a
-    large model would cost minutes for nothing."""
-    with torch.device("meta"):
-        skeleton = Transformer(
-            model.args,
-            attention=model.attention,
-            activation_checkpointing=model.activation_checkpointing,
-        )
-    return skeleton.to_empty(device="cpu")
 
 
 def rollout_row(scheduler: Scheduler, groups: list[RolloutGroup]) -> dict[str, Any]:

@@ -19,15 +19,17 @@ import torch
 from rlmtrain import parallel
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs.base import Env, Task, check_env_name, get_env
-from rlmtrain.model import PRESETS, build_model
+from rlmtrain.launch import check_shared_folder
+from rlmtrain.model import PRESETS, model_skeleton
 from rlmtrain.model.bpe import BPE_FILES, train_bpe
-from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer
+from rlmtrain.model.tokenizer import Tokenizer, load_tokenizer, with_chat_template_kwargs
 from rlmtrain.optim import build_optimizer
 from rlmtrain.resume import resume_point, starting_state
 from rlmtrain.rewards.chat_client import check_served
 from rlmtrain.rollout.engines import build_engine
 from rlmtrain.run_folder import RunFolder
 from rlmtrain.runlog import RunLog, check_wandb
+from rlmtrain.training.materialise import sharded_policy
 from rlmtrain.training.run import EngineSync, Run, TaskSets
 from rlmtrain.training.steps import DTYPES
 
@@ -37,14 +39,20 @@ T = TypeVar("T")
 
 def check_run_rules(cfg: Config, device: torch.device) -> None:
     """The rules of a training run that the config alone cannot check (`config.rules` checks
-    those at load): a known preset and env, an engine that samples the policy, colocation on a
-    GPU, wandb installed where a W&B project is set. Refused before anything starts; the env's
-    own rules (`Env.teacher`'s limits) follow in `start_run`, before anything is written."""
+    those at load): a known preset and env, replicas that divide the world, an engine that
+    samples the policy, colocation on a GPU, wandb installed where a W&B project is set.
+    Refused before anything starts; the env's own rules (`Env.teacher`'s limits) follow in
+    `start_run`, before anything is written."""
     if not cfg.model.hf_dir and cfg.model.preset not in PRESETS:
         raise ConfigError(
             f"model.preset: unknown preset {cfg.model.preset!r}; known: {', '.join(PRESETS)}"
         )
     check_env_name(cfg.data.env)
+    if parallel.size() % cfg.parallel.replicate:
+        raise ConfigError(
+            f"parallel.replicate: {parallel.size()} ranks do not split into "
+            f"{cfg.parallel.replicate} replicas of equal size"
+        )
     if cfg.rollout.colocate and device.type != "cuda":
         raise ConfigError(
             "rollout.colocate: vLLM's sleep mode frees GPU memory; this run trains on "
@@ -68,6 +76,7 @@ async def start_run(cfg: Config, world: parallel.World, device: torch.device) ->
         # checkpoint may be past SFT); where it does, it refuses the limits as it starts.
         env.teacher(cfg.rollout)
     folder.make()
+    check_shared_folder(folder, world)  # every rank must see what the others write there
     if cfg.checkpoint.resume and resume_from is None:
         log.info("checkpoint.resume: no checkpoint in %s yet, starting fresh", folder.root)
 
@@ -86,13 +95,15 @@ async def start_run(cfg: Config, world: parallel.World, device: torch.device) ->
         world, lambda: run_tokenizer(cfg, env, training_tasks, folder, world, resuming=resuming)
     )
 
-    policy = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))
-    if tokenizer.vocab_size > policy.args.vocab_size:
+    vocab_size = model_skeleton(cfg.model).args.vocab_size
+    if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
             f"model.tokenizer: vocabulary of {tokenizer.vocab_size} does not fit the model's "
-            f"{policy.args.vocab_size} embeddings"
+            f"{vocab_size} embeddings"
         )
-    model = parallel.shard(policy, device, DTYPES[cfg.model.dtype])
+    # Refused here, before the model and the engine start, when the tokenizer cannot use them.
+    tokenizer = with_chat_template_kwargs(tokenizer, cfg.rollout.chat_template_kwargs)
+    model = sharded_policy(cfg.model, device, DTYPES[cfg.model.dtype], cfg.parallel.replicate)
     optimizer = build_optimizer(model, cfg)
     log.info(
         "model: %s, %.2fM parameters, vocabulary %d, on %d x %s (%s compute, fp32 masters)",

@@ -1,0 +1,98 @@
+"""The policy on the ranks, with no whole copy of it anywhere: built on the meta device, sharded,
+given storage for each rank's own shards, then filled shard by shard.
+
+A rank fills its rows of each parameter either from the checkpoint (`model.hf_dir`), reading
+those rows alone from the safetensors files (`model.RowReader`), or from the same seeded values
+`Transformer.init_weights` gives a whole model, one whole parameter at a time. So a rank's memory
+peaks at its shards plus one parameter, where building the model first and sharding it after
+held the whole fp32 model on every rank (and on every GPU) before a byte was freed; and the
+weights equal those of the whole-model path, bit for bit, at any number of ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from rlmtrain import parallel
+from rlmtrain.config import ModelConfig
+from rlmtrain.model import CheckpointError, RowReader, Transformer, model_skeleton
+from rlmtrain.model.hf import named_hf_tensors
+
+_TIED_HEAD = "lm_head.weight"
+
+
+def sharded_policy(
+    cfg: ModelConfig, device: torch.device, compute_dtype: torch.dtype, replicate: int = 1
+) -> Transformer:
+    """`cfg`'s model sharded over the world (`parallel.shard`), fp32 masters, each rank's shards
+    loaded from `cfg.hf_dir` or initialised from `cfg.seed`."""
+    model = parallel.shard(model_skeleton(cfg), device, compute_dtype, replicate)
+    with torch.no_grad():
+        if cfg.hf_dir:
+            _load_rows(model, RowReader(cfg.hf_dir))
+        else:
+            params = dict(model.named_parameters())
+            for name, values in model.initial_values(cfg.seed):
+                _local(params[name]).copy_(values[parallel.local_rows(params[name])])
+    return model
+
+
+def sharded_like(
+    model: Transformer, device: torch.device, compute_dtype: torch.dtype
+) -> Transformer:
+    """A model of `model`'s shape sharded as it is, its shards given storage and left unset: for
+    a copy whose weights are loaded next (the KL reference)."""
+    with torch.device("meta"):
+        skeleton = Transformer(
+            model.args,
+            attention=model.attention,
+            activation_checkpointing=model.activation_checkpointing,
+        )
+    mesh = next(model.parameters()).device_mesh  # type: ignore[attr-defined]
+    replicate = mesh.size(0) if mesh.ndim == 2 else 1
+    return parallel.shard(skeleton, device, compute_dtype, replicate)
+
+
+def _load_rows(model: Transformer, reader: RowReader) -> None:
+    """Each rank's rows of every parameter from the checkpoint. A tied head the checkpoint also
+    holds must equal the embedding; each rank compares its own rows and every rank learns the
+    verdict, so all of them raise together rather than some waiting in a collective."""
+    source = str(reader.directory)
+    expected = dict(named_hf_tensors(model))
+    present = reader.names()
+    # A tied head's copy is not a parameter, but some exporters write it anyway.
+    unknown = sorted(present - set(expected) - {_TIED_HEAD})
+    if unknown:
+        raise CheckpointError(
+            f"{source}: unknown tensor {unknown[0]!r} (not a parameter of this model)"
+        )
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise CheckpointError(
+            f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing in all)"
+        )
+    for hf_name, parameter in expected.items():
+        if reader.shape(hf_name) != tuple(parameter.shape):
+            raise CheckpointError(
+                f"{source}: tensor {hf_name!r} has shape {reader.shape(hf_name)}, "
+                f"the model expects {tuple(parameter.shape)}"
+            )
+        _local(parameter).copy_(reader.read_rows(hf_name, parallel.local_rows(parameter)))
+    differs = False
+    if _TIED_HEAD in present and _TIED_HEAD not in expected:
+        embedding = model.embed_tokens.weight
+        rows = parallel.local_rows(embedding)
+        head = reader.read_rows(_TIED_HEAD, rows)
+        differs = reader.shape(_TIED_HEAD) != tuple(embedding.shape) or not torch.equal(
+            head.to(torch.float32), _local(embedding).cpu()
+        )
+    if any(parallel.all_gather(differs)):
+        raise CheckpointError(
+            f"{source}: {_TIED_HEAD!r} differs from model.embed_tokens.weight but the config "
+            "ties them"
+        )
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
