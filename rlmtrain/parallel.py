@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlmtrain.devices import resolve_device
 
@@ -177,8 +177,54 @@ def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
     the whole model on every rank.
     """
     for name, parameter in model.named_parameters():
-        whole = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
-        yield name, whole.detach()
+        # Yielded without a name of its own here, so that gathering the next one does not
+        # find this one still held by the generator.
+        yield name, _whole(parameter.detach())
+
+
+def _whole(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter whole, gathered straight into one buffer of its size: `full_tensor` would
+    gather into a padded buffer and copy out of it, two whole parameters at its peak."""
+    if not isinstance(parameter, DTensor):
+        return parameter
+    mesh = parameter.device_mesh
+    sharded = [p for p in parameter.placements if not isinstance(p, Replicate)]
+    shards = mesh.size(mesh.ndim - 1)
+    if sharded != [Shard(0)] or not isinstance(parameter.placements[-1], Shard) or shards == 1:
+        return parameter.full_tensor()
+    local = parameter.to_local()
+    rows = parameter.shape[0]
+    per_shard = -(-rows // shards)
+    if local.shape[0] < per_shard:  # the last shards are short or empty; the gather wants equal
+        pad = local.new_zeros((per_shard - local.shape[0], *local.shape[1:]))
+        local = torch.cat([local, pad])
+    whole = local.new_empty((per_shard * shards, *local.shape[1:]))
+    group = mesh.get_group(mesh.ndim - 1)
+    if dist.get_backend(group) == "gloo":
+        # Gloo's gathers stage the whole output in a buffer of their own; its broadcast writes
+        # in place, so each shard is sent from its owner into its rows of `whole`.
+        mine = mesh.get_local_rank(mesh.ndim - 1)
+        for index in range(shards):
+            rows_of = whole.narrow(0, index * per_shard, per_shard)
+            if index == mine:
+                rows_of.copy_(local)
+            dist.broadcast(rows_of, group=group, group_src=index)
+    else:
+        dist.all_gather_into_tensor(whole, local.contiguous(), group=group)
+    return whole[:rows]
+
+
+def whole_on_main(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """Every parameter whole, in `dtype` on the CPU, on rank 0 alone; None on the others (a
+    collective: all ranks call it together). The parameters are gathered one at a time
+    (`full_parameters`) and only rank 0 keeps them, so another rank holds its shards and one
+    whole parameter, and no GPU ever holds more than one: an export written by rank 0."""
+    kept: dict[str, torch.Tensor] = {}
+    for name, whole in full_parameters(model):
+        if rank() == 0:
+            kept[name] = whole.to(device="cpu", dtype=dtype)
+        del whole  # before the next gather: one whole parameter at a time
+    return kept if rank() == 0 else None
 
 
 # The collectives below are the identity in a world of one, with or without a process group,

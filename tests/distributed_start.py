@@ -1,8 +1,9 @@
 """A run's policy started from a saved checkpoint on however many ranks this process is one of,
-with the memory it took: each rank prints nothing, rank 0 prints one JSON line with every
-rank's resident-memory peak above its baseline and the bytes of its own fp32 shards.
+then exported, with the memory each took: rank 0 prints one JSON line with every rank's
+resident-memory peak above its baseline after the start and after the export, the bytes of its
+own fp32 shards and of the largest whole parameter.
 
-    torchrun --nproc_per_node 2 tests/distributed_start.py CHECKPOINT_DIR
+    torchrun --nproc_per_node 2 tests/distributed_start.py CHECKPOINT_DIR EXPORT_DIR
 
 `tests/test_distributed.py` writes a Qwen3-0.6B-shaped checkpoint and runs it.
 """
@@ -13,13 +14,16 @@ import argparse
 import json
 import os
 import resource
+from pathlib import Path
 
 import torch
 
 from rlmtrain import parallel
 from rlmtrain.config import Config, ModelConfig
+from rlmtrain.model.tokenizer import load_tokenizer
 from rlmtrain.optim import build_optimizer
 from rlmtrain.training.materialise import sharded_policy
+from rlmtrain.training.run import export
 
 
 def resident_bytes() -> int:
@@ -34,20 +38,27 @@ def peak_resident_bytes() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
+    parser.add_argument("export")
     args = parser.parse_args()
     world, device = parallel.start("cpu")
     try:
-        cfg = Config(model=ModelConfig(hf_dir=args.checkpoint, tokenizer=""))
+        model_cfg = ModelConfig(hf_dir=args.checkpoint, tokenizer="", dtype="bfloat16")
+        cfg = Config(model=model_cfg)
         parallel.barrier()
         baseline = resident_bytes()
-        model = sharded_policy(cfg.model, device, torch.float32)
+        model = sharded_policy(cfg.model, device, torch.bfloat16)
         build_optimizer(model, cfg)
-        peak = peak_resident_bytes() - baseline
+        started = peak_resident_bytes() - baseline
+        export(model, cfg, load_tokenizer("byte"), None, Path(args.export))
+        exported = peak_resident_bytes() - baseline
         shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
         whole_bytes = sum(p.numel() * 4 for p in model.parameters())
-        rows = parallel.all_gather({"rank": world.rank, "peak": peak, "shard": shard_bytes})
+        largest = max(p.numel() * 4 for p in model.parameters())
+        rows = parallel.all_gather(
+            {"rank": world.rank, "start": started, "export": exported, "shard": shard_bytes}
+        )
         if world.is_main:
-            print(json.dumps({"whole_fp32_bytes": whole_bytes, "ranks": rows}))
+            print(json.dumps({"whole_fp32_bytes": whole_bytes, "largest": largest, "ranks": rows}))
     finally:
         parallel.stop()
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from clocks import RUN_HANG_S
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -207,15 +208,17 @@ def _qwen3_06b_checkpoint(directory: Path) -> None:
     save_hf(skeleton, directory, state=state)
 
 
-def test_two_ranks_start_a_qwen3_06b_from_a_checkpoint_holding_only_their_shards(tmp_path):
+def test_two_ranks_start_and_export_a_qwen3_06b_holding_only_their_shards(tmp_path):
     """Each rank builds the policy on the meta device, shards it, and reads only its own rows
     of every tensor from the files: its memory grows by its fp32 shards (half the model) and a
     little, never by the whole fp32 model (which building it first and sharding it after cost
-    every rank, 2.4 GB here)."""
+    every rank, 2.4 GB here). The export gathers one parameter at a time onto rank 0, which
+    writes it; rank 1 holds its shards and one whole parameter, and the checkpoint written is
+    the one read, bit for bit (bf16 in, fp32 masters, bf16 out)."""
     _qwen3_06b_checkpoint(tmp_path / "ckpt")
     launch = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29700 + os.getpid() % 1000)]
     result = subprocess.run(
-        [*launch, str(START), str(tmp_path / "ckpt")],
+        [*launch, str(START), str(tmp_path / "ckpt"), str(tmp_path / "out")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -224,8 +227,14 @@ def test_two_ranks_start_a_qwen3_06b_from_a_checkpoint_holding_only_their_shards
     )
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    whole = figures["whole_fp32_bytes"]
+    whole, largest = figures["whole_fp32_bytes"], figures["largest"]
     assert whole > 2.3e9  # the real shape: 596M parameters
     for rank in figures["ranks"]:
         assert rank["shard"] == pytest.approx(whole / 2, rel=0.01)
-        assert rank["peak"] <= 0.65 * whole, (rank, whole)
+        assert rank["start"] <= 0.65 * whole, (rank, whole)
+    other = figures["ranks"][1]
+    assert other["export"] <= other["shard"] + 1.1 * largest + 64 * 2**20, (other, largest)
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    read = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert written.keys() == read.keys()
+    assert all(torch.equal(written[name], read[name]) for name in read)

@@ -153,7 +153,8 @@ class Run:
 
     def export(self) -> Path:
         """The model as a Hugging Face checkpoint in `model.dtype`, with the tokenizer files it
-        was trained with: the whole state gathered from the shards, written by rank 0."""
+        was trained with: gathered from the shards a parameter at a time onto rank 0's CPU,
+        written by rank 0."""
         return export(self.model, self.cfg, self.tokenizer, self.tokenizer_dir, self.folder.final)
 
     async def close(self) -> None:
@@ -169,8 +170,8 @@ def export(
     out: Path,
 ) -> Path:
     """`model` (sharded or not) written to `out` as `Run.export` does."""
-    state = parallel.full_state(model)
-    if parallel.rank() == 0:
+    state = parallel.whole_on_main(model, DTYPES[cfg.model.dtype])
+    if state is not None:
         files = tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else []
         generation = None
         if not any(f.name == "generation_config.json" for f in files):
