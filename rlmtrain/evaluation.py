@@ -275,15 +275,8 @@ async def evaluate(
     progress: a tqdm bar over trees on stderr.
     """
     from rlmtrain.model.hf import named_hf_tensors
-    from rlmtrain.rollout.engine import SamplingParams
-    from rlmtrain.rollout.scheduler import Scheduler
 
-    if cfg.eval.tasks > 0:
-        tasks = tasks[: cfg.eval.tasks]
-    tasks = list(tasks)
-    if not tasks:
-        raise ValueError("evaluate: no held-out tasks")
-    samples = cfg.eval.samples
+    tasks = evaluated_tasks(cfg, tasks)
     began = time.perf_counter()
     owned = engine is None
     if engine is None:
@@ -293,31 +286,66 @@ async def evaluate(
     try:
         if owned:
             await engine.update_weights(named_hf_tensors(model))
-        sampling = SamplingParams(
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.eval.seed
-        )
-        scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
-        bar = None
-        if progress:
-            from rlmtrain.rollout.progress import RolloutProgress
-
-            bar = RolloutProgress(len(tasks) * samples, engine)
-            scheduler.on_tree_done = bar.tree_done
-        try:
-            groups = await scheduler.rollout(tasks, env, samples)
-        finally:
-            if bar is not None:
-                bar.close()
+        groups = await roll_out(cfg, tokenizer, env, tasks, engine, progress=progress)
     finally:
         if owned:
             await engine.close()
+    return await report(cfg, env, tasks, groups, seconds=time.perf_counter() - began)
+
+
+def evaluated_tasks(cfg: Config, tasks: Sequence[Any]) -> list[Any]:
+    """The held-out tasks an evaluation rolls out: the first `eval.tasks` when > 0."""
+    chosen = list(tasks[: cfg.eval.tasks] if cfg.eval.tasks > 0 else tasks)
+    if not chosen:
+        raise ValueError("evaluate: no held-out tasks")
+    return chosen
+
+
+async def roll_out(
+    cfg: Config,
+    tokenizer: Tokenizer,
+    env: Env,
+    tasks: Sequence[Any],
+    engine: Engine,
+    *,
+    samples: Sequence[Sequence[int]] | None = None,
+    progress: bool = False,
+) -> list[RolloutGroup]:
+    """The evaluation's trees of `tasks` on `engine` (serving the policy): `eval.samples` roots
+    a task, or the indices `samples` names (a share of them dealt to this rank), seeded by
+    `eval.seed` so a root is the same tree on any engine."""
+    from rlmtrain.rollout.engine import SamplingParams
+    from rlmtrain.rollout.scheduler import Scheduler
+
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.eval.seed
+    )
+    scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
+    bar = None
+    if progress:
+        from rlmtrain.rollout.progress import RolloutProgress
+
+        trees = len(tasks) * cfg.eval.samples if samples is None else sum(map(len, samples))
+        bar = RolloutProgress(trees, engine)
+        scheduler.on_tree_done = bar.tree_done
+    try:
+        return await scheduler.rollout(tasks, env, cfg.eval.samples, samples=samples)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+async def report(
+    cfg: Config, env: Env, tasks: Sequence[Any], groups: list[RolloutGroup], *, seconds: float
+) -> dict[str, Any]:
+    """The evaluation's report of whole groups: the roots scored by `env`, `summarize`d."""
     scores = await env.root_scores(tasks, groups)
     return summarize(
         tasks,
         groups,
         scores,
-        samples=samples,
-        seconds=time.perf_counter() - began,
+        samples=cfg.eval.samples,
+        seconds=seconds,
         tools=env.tool_names(),
         pass_metric=env.pass_metric,
     )

@@ -164,9 +164,11 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
     port = str(29600 + os.getpid() % 1000)
     torchrun = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", port]
     head = [sys.executable] if launch == "python" else torchrun
+    # Two ranks and one task a step: its roots are dealt, so both engines roll out.
+    dealt = () if launch == "python" else ("--train.tasks_per_step=1",)
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [*head, "-m", "rlmtrain", "train", *SHORT, f"--checkpoint.dir={run_dir}"],
+        [*head, "-m", "rlmtrain", "train", *SHORT, *dealt, f"--checkpoint.dir={run_dir}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -183,6 +185,10 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
         *(("sft", k) for k in range(4)),
         *(("rl", k) for k in range(2)),
     ]
+    for row in steps[4:]:
+        assert len(row["generated_tokens_per_rank"]) == ranks
+        assert min(row["generated_tokens_per_rank"]) > 0, row  # no engine idled
+    assert result.stderr.count(f"on {ranks} engines") == 4  # each evaluation, dealt too
     assert (run_dir / "final" / "model.safetensors").is_file()
     newest = run_dir / "checkpoints" / "rl-000002"
     assert sorted(p.name for p in newest.glob("rng-*.pkl")) == [

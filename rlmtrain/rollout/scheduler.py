@@ -179,16 +179,28 @@ class Scheduler:
     # -- public ----------------------------------------------------------------------------
 
     async def rollout(
-        self, tasks: Sequence[Any], env: RLMEnv, n_samples: int
+        self,
+        tasks: Sequence[Any],
+        env: RLMEnv,
+        n_samples: int,
+        samples: Sequence[Sequence[int]] | None = None,
     ) -> list[RolloutGroup]:
-        """G = n_samples trees per task; one RolloutGroup per task, in task order."""
+        """G = n_samples trees per task; one RolloutGroup per task, in task order.
+
+        samples: the sample indices (roots) of each task to roll out here, where a group's
+        roots are dealt over several engines (`rollout.dealing`); None = all G. A root's ids
+        and sampling seeds come from its task and index alone, so it is the same tree on
+        whichever engine runs it."""
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        indices = [list(range(n_samples)) for _ in tasks] if samples is None else samples
+        if len(indices) != len(tasks):
+            raise ValueError(f"samples: {len(indices)} lists for {len(tasks)} tasks")
         runs = [
             _TaskRun(
-                task=task, group=RolloutGroup(task=task, trajectories=[]), trees_left=n_samples
+                task=task, group=RolloutGroup(task=task, trajectories=[]), trees_left=len(mine)
             )
-            for task in tasks
+            for task, mine in zip(tasks, indices, strict=True)
         ]
         trees = asyncio.Semaphore(self.config.max_live_trees)
         latencies: list[float] = []
@@ -205,8 +217,8 @@ class Scheduler:
 
         try:
             async with asyncio.TaskGroup() as group:
-                for run in runs:
-                    for sample_idx in range(n_samples):
+                for run, mine in zip(runs, indices, strict=True):
+                    for sample_idx in mine:
                         group.create_task(one_tree(run, sample_idx))
         finally:
             sampler.cancel()

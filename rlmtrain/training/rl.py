@@ -1,11 +1,12 @@
 """The RL phase: GRPO over rollout trees, step by step, then the final evaluation.
 
-One step: the step's `tasks_per_step` tasks are dealt over the ranks; each rank rolls out its
-share x G roots on its own engine (sampling seeded by the request's place in the tree), scores
-the roots and turns rewards into tree advantages and exact per-token weights over the global
-number of kept groups; the samples of every rank are gathered and re-dealt by tokens, and
-`algo.updates_per_batch` clipped-GRPO updates run through the fused loss; the new weights go to
-every engine by their Hugging Face names.
+One step: the step's `tasks_per_step` x G roots are dealt over the ranks (`rollout.dealing`);
+each rank rolls out its share on its own engine (sampling seeded by the request's place in the
+tree), the groups are put back together and each is scored on one rank, which turns rewards into
+tree advantages and exact per-token weights over the global number of kept groups; the samples
+of every rank are gathered and re-dealt by tokens, and `algo.updates_per_batch` clipped-GRPO
+updates run through the fused loss; the new weights go to every engine by their Hugging Face
+names.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rlmtrain.model import Transformer
 from rlmtrain.optim import build_optimizer, lr_at, set_lr
 from rlmtrain.rewards.step_rewards import StepRewarder
 from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rollout import dealing
 from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.scheduler import Scheduler
 from rlmtrain.training.materialise import sharded_like
@@ -87,8 +89,9 @@ async def rl_step(
     lr = lr_at(cfg, "rl", step)
     set_lr(run.optimizer, lr)
     await run.sync()
-    # This rank's share of the step's tasks, all G roots of a task on one rank.
-    batch = tasks[world.rank :: world.size]
+    # This rank's share of the step's roots (`rollout.dealing`): every engine rolls out.
+    shares = dealing.deal(len(tasks), cfg.rollout.n_samples, world.size)
+    mine = shares[world.rank]
     # Each request's seed comes from (this seed, trajectory id, turn): a rerun samples the
     # same trees whatever order the engine batched them in, on any number of ranks.
     sampling = SamplingParams(
@@ -97,7 +100,21 @@ async def rl_step(
         seed=cfg.train.seed * 1_000_003 + step,
     )
     scheduler = Scheduler(run.engine, run.tokenizer, cfg.rollout, sampling=sampling)
-    groups = await scheduler.rollout(batch, run.env, cfg.rollout.n_samples) if batch else []
+    rolled = (
+        await scheduler.rollout(
+            [tasks[task] for task, _ in mine],
+            run.env,
+            cfg.rollout.n_samples,
+            samples=[samples for _, samples in mine],
+        )
+        if mine
+        else []
+    )
+    # Each group whole again, scored on the rank that holds its first root.
+    merged = dealing.merge(tasks, shares, parallel.all_gather(rolled))
+    scored = [i for i in range(len(tasks)) if dealing.owner(i, shares) == world.rank]
+    batch = [tasks[i] for i in scored]
+    groups = [merged[i] for i in scored]
     rewards = await rewarder(batch, groups, step)
     advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo)
     counts = parallel.all_sum(
@@ -128,7 +145,11 @@ async def rl_step(
         "groups_kept": kept,
         "groups_dropped_uniform": dropped,
         "roots_unscored": unscored,
-        **rollout_row(scheduler, groups),
+        **rollout_row(scheduler, rolled),
+        # Whether every engine worked this step (an idle one shows as 0).
+        "generated_tokens_per_rank": parallel.all_gather(
+            scheduler.metrics.generated_tokens if scheduler.metrics else 0
+        ),
         **rewarder.row(counts[3:].tolist()),
     }
     if samples:
@@ -194,7 +215,7 @@ def reference_policy(
 def rollout_row(scheduler: Scheduler, groups: list[RolloutGroup]) -> dict[str, Any]:
     m = scheduler.metrics
     roots = [root for group in groups for root in group.roots]
-    if m is None:  # this rank drew no task this step (fewer tasks than ranks)
+    if m is None:  # this rank drew no root this step (fewer roots than ranks)
         return {"rollout_s": 0.0, "generated_tokens": 0, "finish_reasons": {}, "spawn_rate": 0.0}
     return {
         "rollout_s": m.wall_s,

@@ -8,6 +8,7 @@ signature is its own settings, not the run's twelve parts.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -18,11 +19,12 @@ import torch
 from rlmtrain import checkpointing, parallel
 from rlmtrain.config import Config
 from rlmtrain.envs.base import Env, Task
-from rlmtrain.evaluation import evaluate
+from rlmtrain.evaluation import evaluated_tasks, report, roll_out
 from rlmtrain.model import Transformer, save_hf
 from rlmtrain.model.bpe import tokenizer_files
 from rlmtrain.model.hf import hf_named
 from rlmtrain.model.tokenizer import Tokenizer
+from rlmtrain.rollout import dealing
 from rlmtrain.rollout.engine import Engine
 from rlmtrain.run_folder import RunFolder
 from rlmtrain.runlog import RunLog
@@ -100,27 +102,46 @@ class Run:
     runlog: RunLog
 
     async def evaluate(self, phase: str, step: int) -> None:
-        """The held-out tasks on the current policy (rank 0 evaluates; every rank waits)."""
+        """The held-out tasks on the current policy: their roots dealt over every rank's engine
+        (`rollout.dealing`, as a step's are), the groups gathered and reported by rank 0."""
         if not self.tasks.held_out:
             return
         await self.sync()
-        if self.world.is_main:
-            held_out = self.tasks.held_out
-            report = await evaluate(
-                self.cfg, self.model, self.tokenizer, self.env, held_out, engine=self.engine
+        began = time.perf_counter()
+        tasks = evaluated_tasks(self.cfg, self.tasks.held_out)
+        shares = dealing.deal(len(tasks), self.cfg.eval.samples, self.world.size)
+        mine = shares[self.world.rank]
+        rolled = (
+            await roll_out(
+                self.cfg,
+                self.tokenizer,
+                self.env,
+                [tasks[task] for task, _ in mine],
+                self.engine,
+                samples=[samples for _, samples in mine],
             )
-            report = {"phase": phase, "step": step, **report}
-            self.runlog.eval(report)
+            if mine
+            else []
+        )
+        everyone = parallel.all_gather(rolled)
+        if self.world.is_main:
+            groups = dealing.merge(tasks, shares, everyone)
+            figures = await report(
+                self.cfg, self.env, tasks, groups, seconds=time.perf_counter() - began
+            )
+            figures = {"phase": phase, "step": step, **figures}
+            self.runlog.eval(figures)
             log.info(
                 "eval %-5s step %3d  reward %s  spawn rate %s  children/root %.2f  "
-                "(%d tasks, %.0f s)",
+                "(%d tasks on %d engines, %.0f s)",
                 phase,
                 step,
-                _number(report["reward_mean"]),
-                _percent(report["spawn_rate"]),
-                report["children_per_root"],
-                report["tasks"],
-                report["seconds"],
+                _number(figures["reward_mean"]),
+                _percent(figures["spawn_rate"]),
+                figures["children_per_root"],
+                figures["tasks"],
+                sum(1 for share in shares if share),
+                figures["seconds"],
             )
         parallel.barrier()
 

@@ -39,10 +39,10 @@ T = TypeVar("T")
 
 def check_run_rules(cfg: Config, device: torch.device) -> None:
     """The rules of a training run that the config alone cannot check (`config.rules` checks
-    those at load): a known preset and env, replicas that divide the world, an engine that
-    samples the policy, colocation on a GPU, wandb installed where a W&B project is set.
-    Refused before anything starts; the env's own rules (`Env.teacher`'s limits) follow in
-    `start_run`, before anything is written."""
+    those at load): a known preset and env, replicas that divide the world, a root a step for
+    every rank's engine, an engine that samples the policy, colocation on a GPU, wandb
+    installed where a W&B project is set. Refused before anything starts; the env's own rules
+    (`Env.teacher`'s limits) follow in `start_run`, before anything is written."""
     if not cfg.model.hf_dir and cfg.model.preset not in PRESETS:
         raise ConfigError(
             f"model.preset: unknown preset {cfg.model.preset!r}; known: {', '.join(PRESETS)}"
@@ -52,6 +52,13 @@ def check_run_rules(cfg: Config, device: torch.device) -> None:
         raise ConfigError(
             f"parallel.replicate: {parallel.size()} ranks do not split into "
             f"{cfg.parallel.replicate} replicas of equal size"
+        )
+    roots = cfg.train.tasks_per_step * cfg.rollout.n_samples
+    if cfg.train.steps and roots < parallel.size():
+        raise ConfigError(
+            f"train.tasks_per_step: {cfg.train.tasks_per_step} x rollout.n_samples "
+            f"{cfg.rollout.n_samples} = {roots} roots a step leave engines of {parallel.size()} "
+            "ranks idle; raise either to at least the number of ranks"
         )
     if cfg.rollout.colocate and device.type != "cuda":
         raise ConfigError(

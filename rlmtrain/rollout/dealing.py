@@ -1,0 +1,60 @@
+"""A step's roots dealt over the ranks' engines, and the groups put back together after.
+
+A step (or an evaluation) has `tasks x G` roots. Dealing whole tasks (`tasks[rank::size]`)
+left engines idle whenever the tasks were fewer than the ranks, and half of them idle on a
+shipped config (4 tasks on 8 GPUs). Roots are dealt instead: the task-major list of roots is cut
+into one contiguous run per rank whose lengths differ by at most one, so every engine gets the
+same number of trees, and a rank holds as few tasks (REPL zygotes) as that allows; with tasks a
+multiple of the ranks it is the whole-task deal. A root's ids and sampling seeds come from its
+task and index alone, so the trees are the same on any number of ranks.
+
+A group's advantages need all its roots, so the ranks' partial groups are merged (`merge`) and
+each group is then scored on one rank, the one holding its first root (`owner`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rlmtrain.rlm.records import RolloutGroup
+
+
+def deal(n_tasks: int, n_samples: int, size: int) -> list[list[tuple[int, list[int]]]]:
+    """Per rank, the (task index, sample indices) it rolls out, tasks in order."""
+    roots = [(task, sample) for task in range(n_tasks) for sample in range(n_samples)]
+    base, extra = divmod(len(roots), size)
+    shares: list[list[tuple[int, list[int]]]] = []
+    start = 0
+    for rank in range(size):
+        stop = start + base + (rank < extra)
+        mine: list[tuple[int, list[int]]] = []
+        for task, sample in roots[start:stop]:
+            if mine and mine[-1][0] == task:
+                mine[-1][1].append(sample)
+            else:
+                mine.append((task, [sample]))
+        shares.append(mine)
+        start = stop
+    return shares
+
+
+def owner(task: int, shares: list[list[tuple[int, list[int]]]]) -> int:
+    """The rank that scores task `task`'s group: the one holding its first root."""
+    return next(rank for rank, mine in enumerate(shares) if any(t == task for t, _ in mine))
+
+
+def merge(
+    tasks: Sequence[Any],
+    shares: list[list[tuple[int, list[int]]]],
+    groups_by_rank: list[list[RolloutGroup]],
+) -> list[RolloutGroup]:
+    """Every task's whole group from the ranks' partial ones (each rank's groups in the order
+    of its share), trajectories in rank order."""
+    merged = [RolloutGroup(task=task, trajectories=[]) for task in tasks]
+    for mine, groups in zip(shares, groups_by_rank, strict=True):
+        if len(mine) != len(groups):
+            raise ValueError(f"a rank returned {len(groups)} groups for {len(mine)} tasks")
+        for (task, _), group in zip(mine, groups, strict=True):
+            merged[task].trajectories.extend(group.trajectories)
+    return merged
