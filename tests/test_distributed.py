@@ -188,6 +188,10 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
     for row in steps[4:]:
         assert len(row["generated_tokens_per_rank"]) == ranks
         assert min(row["generated_tokens_per_rank"]) > 0, row  # no engine idled
+        trained = ("train", "sync") if "loss" in row else ()  # a step may keep no group
+        for mark in ("rollout", *trained):  # each rank's memory at each phase
+            assert len(row["memory_gib_ranks"][f"{mark}_resident"]) == ranks
+            assert row["memory_gib"][f"{mark}_resident"] > 0.1
     assert result.stderr.count(f"on {ranks} engines") == 4  # each evaluation, dealt too
     assert (run_dir / "final" / "model.safetensors").is_file()
     newest = run_dir / "checkpoints" / "rl-000002"

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from rlmtrain import checkpointing, parallel
+from rlmtrain import checkpointing, memory, parallel
 from rlmtrain.algo import build_samples, compute_advantages
 from rlmtrain.config import Config
 from rlmtrain.envs.base import Task
@@ -110,6 +110,7 @@ async def rl_step(
         if mine
         else []
     )
+    marks = {"rollout": memory.figures(run.device)}
     # Each group whole again, scored on the rank that holds its first root.
     merged = dealing.merge(tasks, shares, parallel.all_gather(rolled))
     scored = [i for i in range(len(tasks)) if dealing.owner(i, shares) == world.rank]
@@ -160,10 +161,13 @@ async def rl_step(
             grpo_step(run.model, run.optimizer, packed, cfg, run.device, reference, rank=world.rank)
         )
         row["train_s"] = time.perf_counter() - train_began
+        marks["train"] = memory.figures(run.device)
         run.sync.stale()
         sync_began = time.perf_counter()
         await run.sync()
         row["sync_s"] = time.perf_counter() - sync_began
+        marks["sync"] = memory.figures(run.device)
+    row.update(memory.step_row(marks))
     row["seconds"] = time.perf_counter() - began
     run.runlog.step(row)
     run.runlog.samples("rl", step, groups, scores)

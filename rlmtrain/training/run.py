@@ -71,6 +71,10 @@ class EngineSync:
 
     async def __call__(self) -> None:
         if self._asleep:
+            # What the train step freed goes back to the driver first: the engine allocates
+            # outside torch's cache and would find it taken.
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
             await self._engine.wake(("weights",))
         if not self._current:
             await self._engine.update_weights(hf_named(parallel.full_parameters(self._model)))

@@ -16,7 +16,7 @@ from typing import TypeVar
 import msgspec
 import torch
 
-from rlmtrain import parallel
+from rlmtrain import memory, parallel
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs.base import Env, Task, check_env_name, get_env
 from rlmtrain.launch import check_shared_folder
@@ -102,7 +102,10 @@ async def start_run(cfg: Config, world: parallel.World, device: torch.device) ->
         world, lambda: run_tokenizer(cfg, env, training_tasks, folder, world, resuming=resuming)
     )
 
-    vocab_size = model_skeleton(cfg.model).args.vocab_size
+    shape = model_skeleton(cfg.model).args
+    vocab_size = shape.vocab_size
+    guess = memory.check_fits(cfg, shape, world.size, device)
+    log.info("memory: estimated %s", guess.describe())
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
             f"model.tokenizer: vocabulary of {tokenizer.vocab_size} does not fit the model's "

@@ -213,4 +213,6 @@ def clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer, cfg: Con
     if not math.isfinite(norm):
         raise FloatingPointError(f"gradient norm is {norm}; step skipped would hide it, stopping")
     optimizer.step()
+    # The gradients are spent: freed now, not at the next step, so a rollout does not hold them.
+    optimizer.zero_grad(set_to_none=True)
     return norm

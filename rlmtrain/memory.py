@@ -1,0 +1,153 @@
+"""What a rank's memory holds: measured at each phase of a step, and estimated before a run.
+
+Measured (`figures`, `step_row`): on CUDA, the trainer's allocated and reserved bytes and its
+peak since the last mark (the caching allocator's own counters), and the device's used bytes,
+of which what the trainer has not reserved is the engine's (vLLM's engine process, the CUDA
+contexts); on a CPU, the process's resident and peak resident bytes. A step row carries every
+rank's figures for each mark, and their maximum over ranks for the curves.
+
+Estimated (`estimate`, `check_fits`): per rank, the model states (fp32 masters, fp32 gradients,
+AdamW's two fp32 moments: 16 bytes a parameter, divided over the ranks a model is sharded on),
+the compute copies FSDP2 gathers (two decoder blocks in the compute dtype: the one running and
+the one prefetched), the activations of one micro-batch of `algo.micro_batch_tokens`, and the
+engine's share (vLLM: `rollout.gpu_memory_utilization` of the card; the native engine: its
+weights and KV cache). A colocated vLLM engine sleeps through the train step, so the states
+then meet the activations, and during the rollout the engine; otherwise all three at once. The
+activation term is a count of the tensors a block keeps per token (the fused loss never holds
+[tokens, vocabulary] logits), not a measurement; `bench/gpu/memory_budget.py` measures it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+
+from rlmtrain import parallel
+from rlmtrain.config import Config, ConfigError
+from rlmtrain.model import ModelArgs
+
+GIB = 2**30
+# What a card keeps for itself and the CUDA context before any tensor: refused above the rest.
+_CARD_RESERVE = 0.05
+
+
+def figures(device: torch.device) -> dict[str, float]:
+    """This rank's memory now, in GiB; on CUDA the peak since the last call (it resets it)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserved = torch.cuda.memory_reserved(device)
+        marks = {
+            "allocated": torch.cuda.memory_allocated(device),
+            "reserved": reserved,
+            "peak": torch.cuda.max_memory_allocated(device),
+            "engine": max(0, total - free - reserved),
+        }
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        marks = {"resident": resident, "peak": peak}
+    return {name: round(value / GIB, 3) for name, value in marks.items()}
+
+
+def step_row(marks: dict[str, dict[str, float]]) -> dict[str, dict[str, float | list[float]]]:
+    """A step row's memory: every rank's `figures` at each mark ("memory_gib_ranks", lists in
+    rank order) and their maximum over ranks ("memory_gib", for the curves). A collective."""
+    ranks = parallel.all_gather(marks)
+    per_rank = {
+        f"{mark}_{name}": [rank[mark][name] for rank in ranks]
+        for mark, values in marks.items()
+        for name in values
+    }
+    return {
+        "memory_gib": {key: max(values) for key, values in per_rank.items()},
+        "memory_gib_ranks": per_rank,
+    }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per rank at the two moments that matter."""
+
+    states: int
+    compute_copies: int
+    activations: int
+    engine: int
+    colocated: bool
+
+    @property
+    def peak(self) -> int:
+        training = self.states + self.compute_copies + self.activations
+        if self.colocated:  # the engine sleeps while the trainer computes
+            return max(training, self.states + self.engine)
+        return training + self.engine
+
+    def describe(self) -> str:
+        parts = (
+            f"model states {self.states / GIB:.1f}",
+            f"compute copies {self.compute_copies / GIB:.1f}",
+            f"activations {self.activations / GIB:.1f}",
+            f"engine {self.engine / GIB:.1f}"
+            + (" (asleep while training)" if self.colocated else ""),
+        )
+        return f"~{self.peak / GIB:.1f} GiB a rank ({', '.join(parts)} GiB)"
+
+
+def estimate(cfg: Config, args: ModelArgs, world_size: int, card_bytes: int) -> Estimate:
+    """Per-rank memory of training `args` as `cfg` says over `world_size` ranks, on cards of
+    `card_bytes` (the vLLM engine's share is a fraction of the card)."""
+    parameters = _parameters(args)
+    shard_ranks = max(1, world_size // cfg.parallel.replicate)
+    compute_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
+    block = _block_parameters(args)
+    tokens = cfg.algo.micro_batch_tokens
+    per_token_block = (
+        8 * args.hidden_size + 2 * args.num_kv_heads * args.head_dim + 4 * args.intermediate_size
+    ) * compute_bytes
+    if cfg.model.activation_checkpointing:  # each block keeps its input; one is recomputed
+        activations = tokens * (
+            args.num_layers * args.hidden_size * compute_bytes + per_token_block
+        )
+    else:
+        activations = tokens * args.num_layers * per_token_block
+    if cfg.rollout.engine == "vllm":
+        engine = int(cfg.rollout.gpu_memory_utilization * card_bytes)
+    else:
+        kv = cfg.rollout.kv_cache_tokens * args.num_layers * 2 * args.num_kv_heads * args.head_dim
+        engine = (parameters + kv) * compute_bytes
+    return Estimate(
+        states=16 * parameters // shard_ranks,
+        compute_copies=2 * block * compute_bytes,
+        activations=activations,
+        engine=engine,
+        colocated=cfg.rollout.colocate,
+    )
+
+
+def check_fits(cfg: Config, args: ModelArgs, world_size: int, device: torch.device) -> Estimate:
+    """`estimate` on this rank's card; ConfigError in one line when it cannot fit. A CPU run
+    is estimated (and logged) but never refused: its memory is the machine's, not a card's."""
+    card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+    guess = estimate(cfg, args, world_size, card)
+    if card and guess.peak > (1 - _CARD_RESERVE) * card:
+        raise ConfigError(
+            f"memory: this run needs {guess.describe()} on a {card / GIB:.0f} GiB card; shard "
+            "over more ranks, lower algo.micro_batch_tokens, set model.activation_checkpointing "
+            "or rollout.colocate, or lower rollout.gpu_memory_utilization"
+        )
+    return guess
+
+
+def _block_parameters(args: ModelArgs) -> int:
+    attention = args.hidden_size * args.head_dim * (2 * args.num_heads + 2 * args.num_kv_heads)
+    mlp = 3 * args.hidden_size * args.intermediate_size
+    return attention + mlp + 2 * args.hidden_size + (2 * args.head_dim if args.qk_norm else 0)
+
+
+def _parameters(args: ModelArgs) -> int:
+    embeddings = args.vocab_size * args.hidden_size * (1 if args.tie_word_embeddings else 2)
+    return args.num_layers * _block_parameters(args) + embeddings + args.hidden_size
