@@ -269,8 +269,8 @@ async def evaluate(
     `eval.seed`; score the roots with `env`; return `summarize(...)`.
 
     engine: a running engine already serving `model`'s weights (the training run's; `model` is
-    then not read); None = a fresh one from `build_engine(cfg, tokenizer)`, loaded with
-    `model`'s weights and closed after. The evaluation runs its own Scheduler: no hook of the
+    then not read); None = a fresh one from `build_engine(cfg, tokenizer)`, started empty,
+    given `model`'s weights and closed after. The evaluation runs its own Scheduler: no hook of the
     caller's scheduler is touched.
     progress: a tqdm bar over trees on stderr.
     """
@@ -282,7 +282,7 @@ async def evaluate(
     if engine is None:
         from rlmtrain.rollout.engines import build_engine
 
-        engine = build_engine(cfg, tokenizer)
+        engine = build_engine(cfg, tokenizer, weights="sync")
     try:
         if owned:
             await engine.update_weights(named_hf_tensors(model))

@@ -4,7 +4,9 @@ Batching must not change what a request samples: greedy outputs under 64 concurr
 (more than the batch, more than the KV budget holds at once) equal the same requests run one by
 one, and seeded sampling draws the same tokens alone or batched. The returned log-probs are
 checked against the trainer's own computation, `kernels.fused_linear_logprob` over the packed
-forward of the full sequence. Weight updates land between steps without losing a request.
+forward of the full sequence. Weight updates land between steps without losing a request. An
+engine started for a sync (`build_engine(weights="sync")`) loads nothing, refuses requests until
+every parameter has been sent, and then samples what an engine that loaded the weights samples.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import pytest
 import torch
 from trainer_logprobs import completion_logprobs
 
-from rlmtrain.config import ModelConfig
-from rlmtrain.model import CheckpointError, build_model, named_hf_tensors
+import rlmtrain.model
+from rlmtrain.config import Config, ModelConfig, RolloutConfig
+from rlmtrain.model import CheckpointError, build_model, named_hf_tensors, save_hf
+from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rollout.engine import Engine, SamplingParams
+from rlmtrain.rollout.engines import build_engine
 from rlmtrain.rollout.engines.native import NativeEngine
 
 GREEDY = SamplingParams(top_k=1, max_new_tokens=12)
@@ -298,3 +303,57 @@ def test_bfloat16_model_samples_what_the_trainer_computes() -> None:
                 torch.tensor(completion.logprobs), expected.float(), atol=0.02, rtol=0
             )
     assert [c.token_ids for c in before] != [c.token_ids for c in after]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("source", ["preset", "checkpoint"])
+def test_an_engine_started_for_a_sync_serves_the_synced_weights_only(
+    source: str, dtype: str, tmp_path, monkeypatch
+) -> None:
+    """weights="sync": the model gets storage in the engine dtype and no values (no init, no
+    checkpoint read: only the shape), requests are refused until every parameter has arrived,
+    and then greedy and seeded sampling give the tokens and log-probs, bit for bit, of an engine
+    that loaded the same weights."""
+    policy = ModelConfig(preset="tiny", seed=3, dtype=dtype)
+    if source == "checkpoint":
+        save_hf(build_model(policy), tmp_path / "policy")
+        policy = ModelConfig(hf_dir=str(tmp_path / "policy"), dtype=dtype)
+    config = Config(model=policy, rollout=RolloutConfig(max_batch_size=8, kv_cache_tokens=4096))
+    loaded = build_engine(config, ByteTokenizer())
+    weights = [(name, tensor.clone()) for name, tensor in named_hf_tensors(loaded.model)]
+
+    def no_values(*args, **kwargs):
+        raise AssertionError("an engine started for a sync built or loaded weights")
+
+    monkeypatch.setattr(rlmtrain.model, "build_model", no_values)
+    monkeypatch.setattr(rlmtrain.model, "load_hf", no_values)
+    empty = build_engine(config, ByteTokenizer(), weights="sync")
+    assert {(p.dtype, p.device.type) for p in empty.model.parameters()} == {
+        (getattr(torch, dtype), "cpu")
+    }
+    requests = prompts(6, seed=4)
+    params = [GREEDY if i % 2 else SamplingParams(max_new_tokens=12, seed=30 + i) for i in range(6)]
+
+    async def sync_then_sample():
+        with pytest.raises(RuntimeError, match="update_weights before generating"):
+            await empty.generate(requests[0], GREEDY)
+        # The embedding (sent first in training) missing: still refused, by name.
+        await empty.update_weights(weights[1:])
+        with pytest.raises(RuntimeError, match="'model.embed_tokens.weight'"):
+            await empty.generate(requests[0], GREEDY)
+        await empty.update_weights(weights[:1])
+        synced = await generate_all(empty, requests, lambda i: params[i])
+        reference = await generate_all(loaded, requests, lambda i: params[i])
+        await empty.close()
+        await loaded.close()
+        return synced, reference
+
+    synced, reference = run(sync_then_sample())
+    assert [(c.token_ids, c.logprobs) for c in synced] == [
+        (c.token_ids, c.logprobs) for c in reference
+    ]
+
+
+def test_build_engine_refuses_an_unknown_way_to_start() -> None:
+    with pytest.raises(ValueError, match="weights must be 'load' or 'sync', got 'lazy'"):
+        build_engine(Config(), ByteTokenizer(), weights="lazy")

