@@ -35,14 +35,28 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _steps(out: Path, *args: str, ranks: int = 1) -> dict:
-    port = str(29500 + os.getpid() % 1000)
-    launch = [*TORCHRUN, "--nproc_per_node", str(ranks), "--master_port", port] if ranks > 1 else []
-    command = [*(launch or [sys.executable]), str(STEPS), str(out), *args]
+def _launched(command: list[str]) -> subprocess.CompletedProcess:
+    """`command` run to its end (one thread a rank); it must succeed."""
     result = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env()
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _torchrun(ranks: int, port: int) -> list[str]:
+    return [
+        *TORCHRUN,
+        "--nproc_per_node",
+        str(ranks),
+        "--master_port",
+        str(port + os.getpid() % 1000),
+    ]
+
+
+def _steps(out: Path, *args: str, ranks: int = 1) -> dict:
+    launch = _torchrun(ranks, 29500) if ranks > 1 else [sys.executable]
+    result = _launched([*launch, str(STEPS), str(out), *args])
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -161,21 +175,13 @@ SHORT = (
 
 @pytest.mark.parametrize("launch", ["python", "torchrun"])
 def test_launched_training_runs_to_the_end(tmp_path, launch):
-    port = str(29600 + os.getpid() % 1000)
-    torchrun = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", port]
-    head = [sys.executable] if launch == "python" else torchrun
+    head = [sys.executable] if launch == "python" else _torchrun(2, 29600)
     # Two ranks and one task a step: its roots are dealt, so both engines roll out.
     dealt = () if launch == "python" else ("--train.tasks_per_step=1",)
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [*head, "-m", "rlmtrain", "train", *SHORT, *dealt, f"--checkpoint.dir={run_dir}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_HANG_S,
-        env=_env(),
+    result = _launched(
+        [*head, "-m", "rlmtrain", "train", *SHORT, *dealt, f"--checkpoint.dir={run_dir}"]
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     ranks = 1 if launch == "python" else 2
     assert f"on {ranks} x cpu" in result.stderr
     phases = [json.loads(line)["phase"] for line in (run_dir / "eval.jsonl").open()]
@@ -226,16 +232,9 @@ def test_two_ranks_start_and_export_a_qwen3_06b_holding_only_their_shards(tmp_pa
     writes it; rank 1 holds its shards and one whole parameter, and the checkpoint written is
     the one read, bit for bit (bf16 in, fp32 masters, bf16 out)."""
     _qwen3_06b_checkpoint(tmp_path / "ckpt")
-    launch = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(29700 + os.getpid() % 1000)]
-    result = subprocess.run(
-        [*launch, str(START), str(tmp_path / "ckpt"), str(tmp_path / "out")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_HANG_S,
-        env=_env(),
+    result = _launched(
+        [*_torchrun(2, 29700), str(START), str(tmp_path / "ckpt"), str(tmp_path / "out")]
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     whole, largest = figures["whole_fp32_bytes"], figures["largest"]
     assert whole > 2.3e9  # the real shape: 596M parameters
