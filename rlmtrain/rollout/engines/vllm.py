@@ -76,7 +76,7 @@ import torch
 from rlmtrain.devices import HAS_CUDA, HAS_VLLM, BackendUnavailable
 from rlmtrain.rollout.batching import EngineClosed
 from rlmtrain.rollout.engine import Completion, EngineStats, SamplingParams, StopCheck
-from rlmtrain.rollout.engines.vllm_worker import concat_bucket, pack_bucket, share_cuda
+from rlmtrain.rollout.engines.vllm_worker import buckets, concat_bucket, pack_bucket, share_cuda
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -402,7 +402,7 @@ class VLLMEngine:
     async def _send(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         await self._call(self.llm.collective_rpc("rlmtrain_begin_update"))
         shared = False
-        for bucket in self._buckets(named_tensors):
+        for bucket in buckets(named_tensors, self._bucket_bytes, self._dtype):
             if bucket[0][1].is_cuda:
                 names, dtypes, shapes, buffer = concat_bucket(bucket)
                 # The worker reads the buffer on its own stream: it must be written by then.
@@ -419,24 +419,6 @@ class VLLMEngine:
         if shared:
             # Buffers the worker has let go of are freed only here.
             torch.cuda.ipc_collect()
-
-    def _buckets(
-        self, named_tensors: Iterable[tuple[str, Tensor]]
-    ) -> Iterator[list[tuple[str, Tensor]]]:
-        bucket: list[tuple[str, Tensor]] = []
-        size = 0
-        for name, tensor in named_tensors:
-            tensor = tensor.detach().to(self._dtype)
-            # A bucket travels one way: CUDA tensors as a shared GPU buffer, others as bytes.
-            if bucket and (
-                size + tensor.nbytes > self._bucket_bytes or tensor.is_cuda != bucket[0][1].is_cuda
-            ):
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += tensor.nbytes
-        if bucket:
-            yield bucket
 
     async def _reset_prefix_cache(self) -> None:
         if await self._call(self.llm.reset_prefix_cache()):

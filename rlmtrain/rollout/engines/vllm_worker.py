@@ -14,6 +14,7 @@ process and so imports nothing of the trainer.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +33,27 @@ __all__ = [
 ALIGN = 16
 """Each tensor of a bucket starts at a multiple of this many bytes, so a view of any dtype fits
 (and a CUDA copy out of the buffer runs on aligned addresses)."""
+
+
+def buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The trainer's side: (name, tensor) pairs cast to the engine's `dtype` and grouped into
+    buckets of at most `bucket_bytes` (a larger tensor goes alone), in order."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        tensor = tensor.detach().to(dtype)
+        # A bucket travels one way: CUDA tensors as a shared GPU buffer, others as bytes.
+        if bucket and (
+            size + tensor.nbytes > bucket_bytes or tensor.is_cuda != bucket[0][1].is_cuda
+        ):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor.nbytes
+    if bucket:
+        yield bucket
 
 
 def _padded(nbytes: int) -> int:
