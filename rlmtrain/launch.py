@@ -36,10 +36,11 @@ class LaunchError(UserError, RuntimeError):
 def check_launcher() -> None:
     """Refuse several SLURM tasks of this command that torchrun did not start.
 
-    SLURM's per-task environment says how many tasks the step has (SLURM_STEP_NUM_TASKS, set by
-    srun; SLURM_NTASKS, the allocation's, where no step is) and which one this is
-    (SLURM_PROCID); torchrun's children have RANK and WORLD_SIZE besides, and pass."""
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or "1"
+    srun's tasks say how many tasks their step has (SLURM_STEP_NUM_TASKS) and which one this is
+    (SLURM_PROCID); torchrun's children have RANK and WORLD_SIZE besides, and pass. The
+    allocation's count (SLURM_NTASKS) is not read: a batch script's own shell, or an salloc
+    shell, is one process whatever the allocation holds."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or "1"
     task = os.environ.get("SLURM_PROCID")
     if task is None or not tasks.isdigit() or int(tasks) <= 1 or parallel.launched():
         return
@@ -66,7 +67,7 @@ def check_shared_folder(folder: RunFolder, world: parallel.World) -> None:
     token = uuid.uuid4().hex
     note = folder.rank_note(world.rank)
     try:
-        note.parent.mkdir(exist_ok=True)
+        note.parent.mkdir(parents=True, exist_ok=True)
         note.write_text(json.dumps({"rank": world.rank, "host": host, "token": token}))
     except OSError:
         pass  # rank 0 names it below; raising here alone would leave the others waiting

@@ -3,16 +3,18 @@
 Measured (`figures`, `step_row`): on CUDA, the trainer's allocated and reserved bytes and its
 peak since the last mark (the caching allocator's own counters), and the device's used bytes,
 of which what the trainer has not reserved is the engine's (vLLM's engine process, the CUDA
-contexts); on a CPU, the process's resident and peak resident bytes. A step row carries every
+contexts); on a CPU, the process's resident bytes and its peak since it started (the kernel's
+high-water mark, which cannot be reset). A step row carries every
 rank's figures for each mark, and their maximum over ranks for the curves.
 
 Estimated (`estimate`, `check_fits`): per rank, the model states (fp32 masters, fp32 gradients,
 AdamW's two fp32 moments: 16 bytes a parameter, divided over the ranks a model is sharded on),
-the compute copies FSDP2 gathers (two decoder blocks in the compute dtype: the one running and
-the one prefetched), the activations of one micro-batch of `algo.micro_batch_tokens`, and the
-engine's share (vLLM: `rollout.gpu_memory_utilization` of the card; the native engine: its
-weights and KV cache). A colocated vLLM engine sleeps through the train step, so the states
-then meet the activations, and during the rollout the engine; otherwise all three at once. The
+a KL reference's fp32 shards, the weights FSDP2 gathers (the root unit with its whole fp32
+gradient, and two decoder blocks in the compute dtype), the activations of one micro-batch of
+`algo.micro_batch_tokens`, AdamW's step temporaries, and the engine's share (vLLM:
+`rollout.gpu_memory_utilization` of the card; the native engine: its weights and KV cache).
+A colocated vLLM engine sleeps through the train step, so the states then meet the train
+step's own terms, and during the rollout the engine; otherwise all of them at once. The
 activation term is a count of the tensors a block keeps per token (the fused loss never holds
 [tokens, vocabulary] logits), not a measurement; `bench/gpu/memory_budget.py` measures it.
 """
@@ -74,26 +76,36 @@ class Estimate:
     """Bytes per rank at the two moments that matter."""
 
     states: int
-    compute_copies: int
+    reference: int
+    gathered: int
     activations: int
+    optimizer_step: int
     engine: int
     colocated: bool
 
     @property
+    def training(self) -> int:
+        """The train step's peak: the forward and backward's, or AdamW's step after them."""
+        held = self.states + self.reference
+        return held + max(self.gathered + self.activations, self.optimizer_step)
+
+    @property
     def peak(self) -> int:
-        training = self.states + self.compute_copies + self.activations
         if self.colocated:  # the engine sleeps while the trainer computes
-            return max(training, self.states + self.engine)
-        return training + self.engine
+            return max(self.training, self.states + self.reference + self.engine)
+        return self.training + self.engine
 
     def describe(self) -> str:
-        parts = (
-            f"model states {self.states / GIB:.1f}",
-            f"compute copies {self.compute_copies / GIB:.1f}",
+        parts = [f"model states {self.states / GIB:.1f}"]
+        if self.reference:
+            parts.append(f"KL reference {self.reference / GIB:.1f}")
+        parts += [
+            f"gathered weights {self.gathered / GIB:.1f}",
             f"activations {self.activations / GIB:.1f}",
+            f"optimizer step {self.optimizer_step / GIB:.1f}",
             f"engine {self.engine / GIB:.1f}"
             + (" (asleep while training)" if self.colocated else ""),
-        )
+        ]
         return f"~{self.peak / GIB:.1f} GiB a rank ({', '.join(parts)} GiB)"
 
 
@@ -103,26 +115,37 @@ def estimate(cfg: Config, args: ModelArgs, world_size: int, card_bytes: int) -> 
     parameters = _parameters(args)
     shard_ranks = max(1, world_size // cfg.parallel.replicate)
     compute_bytes = 2 if cfg.model.dtype == "bfloat16" else 4
-    block = _block_parameters(args)
-    tokens = cfg.algo.micro_batch_tokens
+    attention_width = args.num_heads * args.head_dim
+    kv_width = args.num_kv_heads * args.head_dim
+    # What a block keeps per token for its backward: the hidden-wide tensors around attention
+    # and the MLP, q and the attention output, k and v, and the MLP's four intermediates.
     per_token_block = (
-        8 * args.hidden_size + 2 * args.num_kv_heads * args.head_dim + 4 * args.intermediate_size
+        4 * args.hidden_size + 2 * attention_width + 2 * kv_width + 4 * args.intermediate_size
     ) * compute_bytes
+    tokens = cfg.algo.micro_batch_tokens
     if cfg.model.activation_checkpointing:  # each block keeps its input; one is recomputed
         activations = tokens * (
             args.num_layers * args.hidden_size * compute_bytes + per_token_block
         )
     else:
         activations = tokens * args.num_layers * per_token_block
+    # The root unit (embedding, final norm, head) stays gathered through the forward and the
+    # backward, with its whole fp32 gradient before the reduce-scatter; two blocks are gathered
+    # at a time (the one running, the one prefetched).
+    root = parameters - args.num_layers * _block_parameters(args)
+    gathered = root * (compute_bytes + 4) + 2 * _block_parameters(args) * compute_bytes
     if cfg.rollout.engine == "vllm":
         engine = int(cfg.rollout.gpu_memory_utilization * card_bytes)
     else:
-        kv = cfg.rollout.kv_cache_tokens * args.num_layers * 2 * args.num_kv_heads * args.head_dim
+        kv = cfg.rollout.kv_cache_tokens * args.num_layers * 2 * kv_width
         engine = (parameters + kv) * compute_bytes
     return Estimate(
         states=16 * parameters // shard_ranks,
-        compute_copies=2 * block * compute_bytes,
+        reference=4 * parameters // shard_ranks if cfg.algo.kl_beta > 0 else 0,
+        gathered=gathered,
         activations=activations,
+        # AdamW's multi-tensor step holds fp32 temporaries the size of the shards it updates.
+        optimizer_step=4 * parameters // shard_ranks,
         engine=engine,
         colocated=cfg.rollout.colocate,
     )

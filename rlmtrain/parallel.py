@@ -89,6 +89,7 @@ def stop() -> None:
     """Leave the process group; the last thing a rank does with it."""
     if dist.is_initialized():
         uses_gloo = dist.get_backend() == "gloo"
+        _OBJECTS.clear()  # destroyed with the rest
         dist.destroy_process_group()
         if uses_gloo:
             time.sleep(_GLOO_WORKERS_SETTLE_S)
@@ -144,7 +145,7 @@ def _mesh(device: torch.device, replicate: int) -> DeviceMesh:
 def local_rows(parameter: torch.Tensor) -> slice:
     """The rows of the whole parameter that this rank's shard of it holds (FSDP2 cuts dim 0 as
     `torch.chunk` does: ceil(n / k) rows per shard, the last ones shorter or empty)."""
-    if not isinstance(parameter, DTensor):
+    if not isinstance(parameter, DTensor) or not parameter.dim():
         return slice(0, parameter.shape[0] if parameter.dim() else 1)
     mesh = parameter.device_mesh
     shards = mesh.size(mesh.ndim - 1)
@@ -154,7 +155,7 @@ def local_rows(parameter: torch.Tensor) -> slice:
     per_shard = -(-rows // shards)
     start = min(index * per_shard, rows)
     stop = min(start + per_shard, rows)
-    local = parameter.to_local().shape[0] if parameter.dim() else 1
+    local = parameter.to_local().shape[0]
     if stop - start != local:
         raise RuntimeError(
             f"FSDP2 holds {local} rows of a {rows}-row parameter here, not rows {start}:{stop}"
@@ -263,7 +264,16 @@ def all_gather(obj: Any) -> list[Any]:
     if size() == 1:
         return [obj]
     out: list[Any] = [None] * size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_objects_group())
+    return out
+
+
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's `obj` in rank order on rank 0; None on the others."""
+    if size() == 1:
+        return [obj]
+    out: list[Any] | None = [None] * size() if rank() == 0 else None
+    dist.gather_object(obj, out, dst=0, group=_objects_group())
     return out
 
 
@@ -272,8 +282,22 @@ def broadcast(obj: Any) -> Any:
     if size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_objects_group())
     return box[0]
+
+
+# Pickled objects travel over gloo, between the hosts: over NCCL each would be staged on the GPU,
+# world x the largest object on every rank (a step's trees, a few MB a rank), while a colocated
+# engine holds the card. Made on first use, by every rank alike (the object collectives are).
+_OBJECTS: list[Any] = []
+
+
+def _objects_group() -> Any:
+    if dist.get_backend() == "gloo":
+        return None
+    if not _OBJECTS:
+        _OBJECTS.append(dist.new_group(backend="gloo"))
+    return _OBJECTS[0]
 
 
 def barrier() -> None:

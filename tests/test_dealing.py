@@ -53,7 +53,7 @@ def test_whole_tasks_when_they_divide_and_roots_when_they_do_not():
     assert [dealing.owner(t, shares) for t in range(3)] == [0, 0, 1]
 
 
-def test_merge_puts_each_group_back_whole_and_refuses_a_short_share():
+def test_merge_puts_the_wanted_groups_back_whole_in_rank_order():
     from rlmtrain.rlm.records import Trajectory
 
     def root(task: str, index: int) -> Trajectory:
@@ -62,16 +62,17 @@ def test_merge_puts_each_group_back_whole_and_refuses_a_short_share():
             task_id=task, sample_idx=index, prompt="q", turns=[],
         )  # fmt: skip
 
-    tasks = ["a", "b"]
-    shares = dealing.deal(1, 4, 2)
-    parts = [
-        [RolloutGroup(task="a", trajectories=[root("a", 0), root("a", 1)])],
-        [RolloutGroup(task="a", trajectories=[root("a", 2), root("a", 3)])],
-    ]
-    merged = dealing.merge(tasks[:1], shares, parts)
-    assert [r.sample_idx for r in merged[0].roots] == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="returned 0 groups for 1 tasks"):
-        dealing.merge(tasks[:1], shares, [parts[0], []])
+    def part(task: int, *indices: int) -> tuple[int, RolloutGroup]:
+        name = "ab"[task]
+        return task, RolloutGroup(task=name, trajectories=[root(name, i) for i in indices])
+
+    # dealing.deal(2, 3, 2): rank 0 holds a0 a1 a2 b0, rank 1 holds b1 b2
+    by_rank = [[part(0, 0, 1, 2), part(1, 0)], [part(1, 1, 2)]]
+    merged = dealing.merge(["a", "b"], [1], by_rank)
+    assert [g.task for g in merged] == ["b"]
+    assert [t.id for t in merged[0].trajectories] == ["b#0", "b#1", "b#2"]
+    both = dealing.merge(["a", "b"], range(2), by_rank)
+    assert [len(g.trajectories) for g in both] == [3, 3]
 
 
 def _rollout(
@@ -107,7 +108,11 @@ def test_a_root_is_the_same_tree_on_whichever_engine_rolls_it_out(tmp_path: Path
             _rollout(model, [tasks[t] for t, _ in share], [picks for _, picks in share])
             for share in shares
         ]
-    merged = dealing.merge(tasks, shares, parts)
+    by_rank = [
+        [(task, group) for (task, _), group in zip(share, groups, strict=True)]
+        for share, groups in zip(shares, parts, strict=True)
+    ]
+    merged = dealing.merge(tasks, range(len(tasks)), by_rank)
 
     def completions(groups: list[RolloutGroup]) -> dict[str, list[list[int]]]:
         return {

@@ -75,13 +75,14 @@ def test_slurm_tasks_without_torchrun_are_refused_in_one_line(tmp_path):
         ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, False),  # an allocation's shell: no task
         # srun -n1 inside a four-task allocation: the step's count is the one that says
         ({"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, False),
-        ({"SLURM_NTASKS": "2", "SLURM_PROCID": "1"}, True),
+        # a batch script's own shell: one process, whatever the allocation's task count
+        ({"SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, False),
         ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "5"}, True),
         # torchrun's ranks under srun: SLURM's task environment and torchrun's both
         ({"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1", "RANK": "3", "WORLD_SIZE": "4"},
          False),
     ],
-    ids=["no-slurm", "one-task", "no-task", "srun-n1", "two-tasks", "step-tasks", "torchrun"],
+    ids=["no-slurm", "one-task", "no-task", "srun-n1", "batch-shell", "step-tasks", "torchrun"],
 )  # fmt: skip
 def test_only_several_slurm_tasks_without_torchrun_are_refused(monkeypatch, environ, refused):
     for name in [*os.environ]:
@@ -200,7 +201,8 @@ def test_the_slurm_script_starts_one_world_over_its_nodes(tmp_path):
     run_dir = tmp_path / "run"
     path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
-             "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_GPUS_ON_NODE": "1"}  # fmt: skip
+             "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_GPUS_ON_NODE": "1",
+             "SLURM_CPUS_ON_NODE": "2"}  # fmt: skip
     result = subprocess.run(
         ["bash", str(SBATCH), "configs/tiny-cpu.toml", *SHORT, f"--checkpoint.dir={run_dir}"],
         cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S,

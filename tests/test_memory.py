@@ -81,10 +81,15 @@ def test_each_knob_moves_its_own_part():
         8,
         H200,
     )
-    assert apart.peak == apart.states + apart.compute_copies + apart.activations + apart.engine
-    assert one.peak == max(
-        one.states + one.compute_copies + one.activations, one.states + one.engine
+    assert apart.peak == apart.training + apart.engine
+    assert one.peak == max(one.training, one.states + one.engine)
+    with_kl = memory.estimate(
+        _config(**{**_sections(base), "algo": {"micro_batch_tokens": 32768, "kl_beta": 0.05}}),
+        args,
+        8,
+        H200,
     )
+    assert with_kl.reference == one.states // 4 and with_kl.peak > one.peak
 
 
 def _sections(cfg: Config) -> dict:

@@ -193,10 +193,9 @@ def main() -> None:
         summary[f"derived_per_rank_at_{ranks}_ranks_gib"] = per_rank
         # The trainer's pre-flight guess (`memory.estimate`) of the same, to hold it to these.
         one, many = (memory.estimate(cfg, preset(options.preset), n, total) for n in (1, ranks))
-        training = many.states + many.compute_copies + many.activations
         summary["estimate_states_and_gradients_gib"] = one.states / GIB
-        summary["estimate_activations_gib"] = (one.activations + one.compute_copies) / GIB
-        summary[f"estimate_training_per_rank_at_{ranks}_ranks_gib"] = training / GIB
+        summary["estimate_activations_gib"] = (one.activations + one.gathered) / GIB
+        summary[f"estimate_training_per_rank_at_{ranks}_ranks_gib"] = many.training / GIB
     else:
         summary["error"] = figures["error"]
         summary["peak_at_failure_gib"], summary["reserved_at_failure_gib"] = figures[

@@ -8,13 +8,14 @@ same number of trees, and a rank holds as few tasks (REPL zygotes) as that allow
 multiple of the ranks it is the whole-task deal. A root's ids and sampling seeds come from its
 task and index alone, so the trees are the same on any number of ranks.
 
-A group's advantages need all its roots, so the ranks' partial groups are merged (`merge`) and
-each group is then scored on one rank, the one holding its first root (`owner`).
+A group's advantages need all its roots, so each group is scored on one rank, the one holding
+its first root (`owner`), which receives the other ranks' parts of it (only the groups a share
+boundary cut travel) and puts it back whole (`merge`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rlmtrain.rlm.records import RolloutGroup
@@ -45,16 +46,13 @@ def owner(task: int, shares: list[list[tuple[int, list[int]]]]) -> int:
 
 
 def merge(
-    tasks: Sequence[Any],
-    shares: list[list[tuple[int, list[int]]]],
-    groups_by_rank: list[list[RolloutGroup]],
+    tasks: Sequence[Any], wanted: Iterable[int], parts_by_rank: list[list[tuple[int, RolloutGroup]]]
 ) -> list[RolloutGroup]:
-    """Every task's whole group from the ranks' partial ones (each rank's groups in the order
-    of its share), trajectories in rank order."""
-    merged = [RolloutGroup(task=task, trajectories=[]) for task in tasks]
-    for mine, groups in zip(shares, groups_by_rank, strict=True):
-        if len(mine) != len(groups):
-            raise ValueError(f"a rank returned {len(groups)} groups for {len(mine)} tasks")
-        for (task, _), group in zip(mine, groups, strict=True):
-            merged[task].trajectories.extend(group.trajectories)
-    return merged
+    """The whole groups of the `wanted` task indices, in task order, from every rank's
+    (task index, partial group) pairs; a group's trajectories in rank order."""
+    merged = {task: RolloutGroup(task=tasks[task], trajectories=[]) for task in wanted}
+    for parts in parts_by_rank:
+        for task, group in parts:
+            if task in merged:
+                merged[task].trajectories.extend(group.trajectories)
+    return [merged[task] for task in sorted(merged)]

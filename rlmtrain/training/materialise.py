@@ -82,10 +82,10 @@ def _load_rows(model: Transformer, reader: RowReader) -> None:
     differs = False
     if _TIED_HEAD in present and _TIED_HEAD not in expected:
         embedding = model.embed_tokens.weight
-        rows = parallel.local_rows(embedding)
-        head = reader.read_rows(_TIED_HEAD, rows)
+        # The shapes first: rows of a head of another shape may not exist on every rank.
         differs = reader.shape(_TIED_HEAD) != tuple(embedding.shape) or not torch.equal(
-            head.to(torch.float32), _local(embedding).cpu()
+            reader.read_rows(_TIED_HEAD, parallel.local_rows(embedding)).to(torch.float32),
+            _local(embedding).cpu(),
         )
     if any(parallel.all_gather(differs)):
         raise CheckpointError(

@@ -111,11 +111,15 @@ async def rl_step(
         else []
     )
     marks = {"rollout": memory.figures(run.device)}
-    # Each group whole again, scored on the rank that holds its first root.
-    merged = dealing.merge(tasks, shares, parallel.all_gather(rolled))
+    # Each group whole again on the rank that holds its first root, which scores it: only the
+    # parts of groups a share boundary cut travel.
+    parts = [(task, group) for (task, _), group in zip(mine, rolled, strict=True)]
     scored = [i for i in range(len(tasks)) if dealing.owner(i, shares) == world.rank]
+    sent = parallel.all_gather([(t, g) for t, g in parts if t not in scored])
+    groups = dealing.merge(
+        tasks, scored, [parts if r == world.rank else p for r, p in enumerate(sent)]
+    )
     batch = [tasks[i] for i in scored]
-    groups = [merged[i] for i in scored]
     rewards = await rewarder(batch, groups, step)
     advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo)
     counts = parallel.all_sum(
@@ -168,6 +172,8 @@ async def rl_step(
         row["sync_s"] = time.perf_counter() - sync_began
         marks["sync"] = memory.figures(run.device)
     row.update(memory.step_row(marks))
+    # The step waits for the slowest engine.
+    row["rollout_s"] = float(parallel.all_max(torch.tensor([row["rollout_s"]]))[0])
     row["seconds"] = time.perf_counter() - began
     run.runlog.step(row)
     run.runlog.samples("rl", step, groups, scores)

@@ -127,9 +127,10 @@ class Run:
             if mine
             else []
         )
-        everyone = parallel.all_gather(rolled)
-        if self.world.is_main:
-            groups = dealing.merge(tasks, shares, everyone)
+        parts = [(task, group) for (task, _), group in zip(mine, rolled, strict=True)]
+        everyone = parallel.gather_to_main(parts)
+        if everyone is not None:
+            groups = dealing.merge(tasks, range(len(tasks)), everyone)
             figures = await report(
                 self.cfg, self.env, tasks, groups, seconds=time.perf_counter() - began
             )

@@ -77,13 +77,14 @@ async def start_run(cfg: Config, world: parallel.World, device: torch.device) ->
     check_served(cfg.judge)  # before the run writes anything
     env = get_env(cfg.data.env, cfg)
     folder = RunFolder.of(cfg)
+    # First, so ranks that see different folders cannot disagree about what is in it below.
+    check_shared_folder(folder, world)
     resume_from = resume_point(cfg, folder)
     if cfg.train.sft_steps and resume_from is None:
         # The env's rules for the run's limits. A resumed run's teacher may never play (its
         # checkpoint may be past SFT); where it does, it refuses the limits as it starts.
         env.teacher(cfg.rollout)
     folder.make()
-    check_shared_folder(folder, world)  # every rank must see what the others write there
     if cfg.checkpoint.resume and resume_from is None:
         log.info("checkpoint.resume: no checkpoint in %s yet, starting fresh", folder.root)
 

@@ -92,7 +92,6 @@ if not HAS_VLLM:
 
 from vllm import SamplingParams as VLLMSamplingParams  # noqa: E402
 from vllm import TokensPrompt  # noqa: E402
-from vllm.config import SchedulerConfig  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
@@ -102,6 +101,9 @@ __all__ = ["VLLMEngine", "engine_args", "kv_cache_bytes", "visible_device"]
 
 T = TypeVar("T")
 _WORKER_EXTENSION = "rlmtrain.rollout.engines.vllm_worker.WeightSync"
+
+
+_CUDA_STEP_TOKENS = 16384
 
 
 def kv_cache_bytes(args: ModelArgs, tokens: int, dtype: str) -> int:
@@ -142,10 +144,10 @@ def engine_args(
         # The share of the GPU sizes the KV cache there (an explicit size would override it).
         options["gpu_memory_utilization"] = rollout.gpu_memory_utilization
         options["enable_sleep_mode"] = True
-        # vLLM refuses a step budget smaller than its batch; its default one (2048 tokens, in
-        # chunks) is kept wherever the batch fits in it.
-        if options["max_num_seqs"] > SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS:
-            options["max_num_batched_tokens"] = options["max_num_seqs"]
+        # The tokens one engine step may carry. The engine API's default (2048) prefills a
+        # 31k-token turn in 16 chunked steps that every decoding sequence waits through; 16k is
+        # vLLM's own offline default on H100-class cards, and never below the batch (refused).
+        options["max_num_batched_tokens"] = max(_CUDA_STEP_TOKENS, options["max_num_seqs"])
     else:
         options["kv_cache_memory_bytes"] = kv_cache_bytes(
             args, rollout.kv_cache_tokens, config.model.dtype
