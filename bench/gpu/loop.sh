@@ -33,21 +33,9 @@
 # its finished steps wrote.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/rlmtrain-gpu-out}
 LOGS=${TMPDIR:-/tmp}/rlmtrain-gpu-loop
-mkdir -p "$OUT" "$LOGS"
-pack() { tar czf "$OUT/gpu-loop.tgz" -C "$LOGS" .; }
-step() { pack; printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
-limit() { timeout -s INT -k 10 "$@"; }
-
-step "machine"
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
+ARCHIVE=gpu-loop.tgz
+source bench/gpu/device_setup.sh
 # The REPL's zygote starts as `python -I` with a scrubbed environment, which ignores PYTHONPATH:
 # for it the checkout and the wheels go on the interpreter's own path, through a .pth file.
 purelib=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

@@ -17,25 +17,9 @@
 # returns what its finished steps wrote, as one file (the device returns at most 8).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/rlmtrain-gpu-out}
 LOGS=${TMPDIR:-/tmp}/rlmtrain-gpu
-mkdir -p "$OUT" "$LOGS"
-pack() { tar czf "$OUT/gpu-run.tgz" -C "$LOGS" .; }
-step() { pack; printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
-# SIGINT, not SIGTERM, at a step's limit: pytest then still prints its failures and
-# pytest-benchmark still writes its JSON; -k ends a step that ignores it.
-limit() { timeout -s INT -k 10 "$@"; }
-
-step "machine"
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-# Without an install (the image has no package index) the checkout runs from the source tree:
-# the trainer from the root, the kernels package from kernels/.
-export PYTHONPATH=$PWD:$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}
+ARCHIVE=gpu-run.tgz
+source bench/gpu/device_setup.sh
 python3 -c "import torch, triton; from rlmtrain_kernels import logprob_slabs as s
 print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(),
 '| addmm accumulates in fp32:', s._addmm_accumulates_in_fp32(torch.device('cuda')))" || exit 1
