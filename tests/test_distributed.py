@@ -198,7 +198,8 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
         for mark in ("rollout", *trained):  # each rank's memory at each phase
             assert len(row["memory_gib_ranks"][f"{mark}_resident"]) == ranks
             assert row["memory_gib"][f"{mark}_resident"] > 0.1
-    assert result.stderr.count(f"on {ranks} engines") == 4  # each evaluation, dealt too
+    engines = "1 engine" if ranks == 1 else f"{ranks} engines"
+    assert result.stderr.count(f"tasks, {engines},") == 4  # each evaluation, dealt too
     assert (run_dir / "final" / "model.safetensors").is_file()
     newest = run_dir / "checkpoints" / "rl-000002"
     assert sorted(p.name for p in newest.glob("rng-*.pkl")) == [

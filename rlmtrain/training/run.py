@@ -138,14 +138,14 @@ class Run:
             self.runlog.eval(figures)
             log.info(
                 "eval %-5s step %3d  reward %s  spawn rate %s  children/root %.2f  "
-                "(%d tasks on %d engines, %.0f s)",
+                "(%d tasks, %s, %.0f s)",
                 phase,
                 step,
                 _number(figures["reward_mean"]),
                 _percent(figures["spawn_rate"]),
                 figures["children_per_root"],
                 figures["tasks"],
-                sum(1 for share in shares if share),
+                _engines(sum(1 for share in shares if share)),
                 figures["seconds"],
             )
         parallel.barrier()
@@ -217,6 +217,10 @@ def export(
 def mean_or_nan(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else float("nan")
+
+
+def _engines(count: int) -> str:
+    return "1 engine" if count == 1 else f"{count} engines"
 
 
 def _number(value: float | None) -> str:
