@@ -36,9 +36,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from train_step import random_samples  # bench/gpu/, the script's own folder
 
 from rlmtrain import memory, parallel
-from rlmtrain.algo import Sample
 from rlmtrain.config import load_config
 from rlmtrain.model import preset
 from rlmtrain.optim import build_optimizer
@@ -47,23 +47,6 @@ from rlmtrain.training.steps import DTYPES, grpo_step, pack_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
-
-
-def random_samples(count: int, length: int, vocab: int, seed: int = 0) -> list[Sample]:
-    """`count` samples of `length` tokens, the first half prompt, random advantages."""
-    draw = np.random.default_rng(seed)
-    prompt = length // 2
-    completion = length - prompt
-    return [
-        Sample(
-            task_id=f"t{i // 8}", root_id=f"r{i}", trajectory_id=f"r{i}", depth=0, turn=0,
-            input_ids=draw.integers(0, vocab, length).astype(np.int64), prompt_len=prompt,
-            sampler_logp=np.full(completion, -7.0, np.float32),
-            advantages=draw.standard_normal(completion).astype(np.float32),
-            weights=np.full(completion, 1.0 / (count * completion), np.float32),
-        )
-        for i in range(count)
-    ]  # fmt: skip
 
 
 class Meter:
@@ -116,8 +99,9 @@ def main() -> None:
     budget = cfg.algo.micro_batch_tokens
     samples = random_samples(
         options.micro_batches * budget // options.sample_tokens,
-        options.sample_tokens,
         preset(options.preset).vocab_size,
+        np.random.default_rng(0),
+        length=options.sample_tokens,
     )
     figures: dict = {}
     packed, part = None, "building the policy"

@@ -34,19 +34,26 @@ DATASHEET_BF16_DENSE_FLOPS = 989.4e12  # H100/H200 SXM
 
 def random_batch(samples: int, vocab: int, seed: int = 0) -> list[Sample]:
     """Samples of 1024-3071 tokens, the first half prompt, with random advantages."""
-    draw = np.random.default_rng(seed)
+    return random_samples(samples, vocab, np.random.default_rng(seed))
+
+
+def random_samples(
+    count: int, vocab: int, draw: np.random.Generator, length: int | None = None
+) -> list[Sample]:
+    """`count` samples of `length` tokens (None: 1024-3071 each), the first half prompt: random
+    tokens and advantages, the weights one objective over the batch."""
     batch = []
-    for i in range(samples):
-        length = int(draw.integers(1024, 3072))
-        prompt = length // 2
-        completion = length - prompt
+    for i in range(count):
+        tokens = length or int(draw.integers(1024, 3072))
+        prompt = tokens // 2
+        completion = tokens - prompt
         batch.append(
             Sample(
                 task_id=f"t{i // 8}", root_id=f"r{i}", trajectory_id=f"r{i}", depth=0, turn=0,
-                input_ids=draw.integers(0, vocab, length).astype(np.int64), prompt_len=prompt,
+                input_ids=draw.integers(0, vocab, tokens).astype(np.int64), prompt_len=prompt,
                 sampler_logp=np.full(completion, -7.0, np.float32),
                 advantages=draw.standard_normal(completion).astype(np.float32),
-                weights=np.full(completion, 1.0 / (samples * completion), np.float32),
+                weights=np.full(completion, 1.0 / (count * completion), np.float32),
             )
         )  # fmt: skip
     return batch
