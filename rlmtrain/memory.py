@@ -49,11 +49,19 @@ def figures(device: torch.device) -> dict[str, float]:
         }
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        with open("/proc/self/statm") as f:
-            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        marks = {"resident": resident, "peak": peak}
+        marks = {"resident": resident_bytes(), "peak": peak_resident_bytes()}
     return {name: round(value / GIB, 3) for name, value in marks.items()}
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    """This process's largest resident memory since it started (the kernel's high-water mark)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def step_row(marks: dict[str, dict[str, float]]) -> dict[str, dict[str, float | list[float]]]:

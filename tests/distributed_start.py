@@ -12,27 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 from pathlib import Path
 
 import torch
 
 from rlmtrain import parallel
 from rlmtrain.config import Config, ModelConfig
+from rlmtrain.memory import peak_resident_bytes, resident_bytes
 from rlmtrain.model.tokenizer import load_tokenizer
 from rlmtrain.optim import build_optimizer
 from rlmtrain.training.materialise import sharded_policy
 from rlmtrain.training.run import export
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def main() -> None:

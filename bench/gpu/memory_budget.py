@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 from pathlib import Path
 
 import numpy as np
@@ -40,13 +39,13 @@ from train_step import random_samples  # bench/gpu/, the script's own folder
 
 from rlmtrain import memory, parallel
 from rlmtrain.config import load_config
+from rlmtrain.memory import GIB
 from rlmtrain.model import preset
 from rlmtrain.optim import build_optimizer
 from rlmtrain.training.materialise import sharded_policy
 from rlmtrain.training.steps import DTYPES, grpo_step, pack_samples
 
 ROOT = Path(__file__).resolve().parents[2]
-GIB = 2**30
 
 
 class Meter:
@@ -62,7 +61,7 @@ class Meter:
         """(peak allocated, peak reserved) since the last call, in GiB; on a CPU the process's
         peak resident set for both."""
         if not self.cuda:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+            peak = memory.peak_resident_bytes() / GIB
             return peak, peak
         torch.cuda.synchronize()
         figures = torch.cuda.max_memory_allocated() / GIB, torch.cuda.max_memory_reserved() / GIB

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import tempfile
 import time
@@ -46,13 +45,13 @@ from pathlib import Path
 import torch
 
 from rlmtrain import cli
+from rlmtrain.memory import GIB, peak_resident_bytes
 from rlmtrain.model import preset
 
 ROOT = Path(__file__).resolve().parents[2]
 BPE_VOCAB = 2048  # configs/tiny-cpu.toml's model.bpe_vocab_size
 # tasks per step, samples per task, turns per trajectory, new tokens per turn
 SIZES = {"cuda": (4, 8, 3, 128), "cpu": (2, 2, 2, 32)}
-GIB = 2**30
 
 
 def rollout_sizes(options: argparse.Namespace) -> dict[str, int]:
@@ -139,7 +138,7 @@ def memory(device: str, rows: list[dict]) -> dict:
             "card_total_gib": total / GIB,
         }
     else:
-        figures = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        figures = {"peak_rss_gib": peak_resident_bytes() / GIB}
     for row in rows:  # each phase's peak over the timed steps, where the trainer writes them
         for key, value in row.get("memory_gib", {}).items():
             figures[f"row_{key}_gib"] = max(value, figures.get(f"row_{key}_gib", 0.0))
