@@ -45,6 +45,7 @@ __all__ = [
     "named_hf_tensors",
     "read_hf_args",
     "save_hf",
+    "write_hf_config",
 ]
 
 SINGLE_FILE = "model.safetensors"
@@ -158,6 +159,11 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "attention_bias": False,
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
+
+
+def write_hf_config(args: ModelArgs, dtype: torch.dtype, directory: Path) -> None:
+    """`directory/config.json` of a model with these args, stored in `dtype`."""
+    (directory / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
 
 
 def args_from_hf_config(config: dict[str, Any], source: str = "config.json") -> ModelArgs:
@@ -385,7 +391,7 @@ def save_hf(
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    (partial / "config.json").write_text(json.dumps(hf_config(model.args, stored), indent=2) + "\n")
+    write_hf_config(model.args, stored, partial)
     if generation is not None:
         (partial / "generation_config.json").write_text(
             json.dumps(dict(generation), indent=2) + "\n"

@@ -7,7 +7,6 @@ nothing heavy.
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -18,7 +17,6 @@ if TYPE_CHECKING:
     import torch
 
     from rlmtrain.config import Config
-    from rlmtrain.model.presets import ModelArgs
     from rlmtrain.model.tokenizer import Tokenizer
     from rlmtrain.rollout.engine import Engine
 
@@ -86,9 +84,14 @@ def build_engine(
             scratch = Path(tempfile.mkdtemp(prefix="rlmtrain-vllm-"))
             served = str(scratch / "policy")
             if weights == "sync":
-                from rlmtrain.model import model_skeleton
+                import torch
 
-                _write_config(model_skeleton(config.model).args, config.model.dtype, Path(served))
+                from rlmtrain.model import model_skeleton
+                from rlmtrain.model.hf import write_hf_config
+
+                Path(served).mkdir()
+                dtype = getattr(torch, config.model.dtype)
+                write_hf_config(model_skeleton(config.model).args, dtype, Path(served))
             else:
                 from rlmtrain.model import build_model, save_hf
 
@@ -113,15 +116,3 @@ def build_engine(
             decode=tokenizer.decode,
         )
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")
-
-
-def _write_config(args: ModelArgs, dtype: str, directory: Path) -> None:
-    """A checkpoint folder holding config.json only: what vLLM reads to build a model that
-    loads no weights."""
-    import torch
-
-    from rlmtrain.model.hf import hf_config
-
-    directory.mkdir(parents=True)
-    config = hf_config(args, getattr(torch, dtype))
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
