@@ -108,10 +108,8 @@ def shard(
     A model on the meta device is sharded as it is and then given storage on `device` for its
     own shards alone, left unset (`materialise.py` fills it); a model with weights is moved to
     `device` whole first."""
-    if any(p.is_meta for p in model.parameters()):
-        materialise = True
-    else:
-        materialise = False
+    on_meta = any(p.is_meta for p in model.parameters())
+    if not on_meta:
         model.to(device=device, dtype=torch.float32)
     mesh = _mesh(device, replicate)
     policy = MixedPrecisionPolicy(
@@ -126,7 +124,7 @@ def shard(
             # Summed, not averaged; plain SUM collectives, which gloo has (it lacks PREMUL_SUM).
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
-    if materialise:
+    if on_meta:
         model.to_empty(device=device)
     return model
 
@@ -143,16 +141,12 @@ def _mesh(device: torch.device, replicate: int) -> DeviceMesh:
 
 
 def local_rows(parameter: torch.Tensor) -> slice:
-    """The rows of the whole parameter that this rank's shard of it holds (FSDP2 cuts dim 0 as
-    `torch.chunk` does: ceil(n / k) rows per shard, the last ones shorter or empty)."""
+    """The rows of the whole parameter that this rank's shard of it holds (`_row_shards`: the
+    last shards are shorter or empty)."""
     if not isinstance(parameter, DTensor) or not parameter.dim():
         return slice(0, parameter.shape[0] if parameter.dim() else 1)
-    mesh = parameter.device_mesh
-    shards = mesh.size(mesh.ndim - 1)
-    coordinate = mesh.get_coordinate()
-    index = 0 if coordinate is None else coordinate[-1]
+    shards, per_shard, index = _row_shards(parameter)
     rows = parameter.shape[0]
-    per_shard = -(-rows // shards)
     start = min(index * per_shard, rows)
     stop = min(start + per_shard, rows)
     local = parameter.to_local().shape[0]
@@ -163,6 +157,16 @@ def local_rows(parameter: torch.Tensor) -> slice:
     return slice(start, stop)
 
 
+def _row_shards(parameter: DTensor) -> tuple[int, int, int]:
+    """How FSDP2 cuts a parameter's rows, as `torch.chunk` does: (shards, rows a shard holds at
+    most, this rank's shard), the shards over the mesh's last dimension."""
+    mesh = parameter.device_mesh
+    shards = mesh.size(mesh.ndim - 1)
+    coordinate = mesh.get_coordinate()
+    index = 0 if coordinate is None else coordinate[-1]
+    return shards, -(-parameter.shape[0] // shards), index
+
+
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole, on every rank (a collective: all ranks call it together)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -171,7 +175,7 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole parameter), one parameter at a time in the module's own order.
 
-    A sharded parameter is gathered (`full_tensor`, a collective) only when the consumer asks
+    A sharded parameter is gathered (`_whole`, a collective) only when the consumer asks
     for the next one, so the ranks gather in lockstep as long as each consumes the whole
     sequence, which the same order on every rank makes safe. A weight sync that streams it
     into buckets holds one bucket of whole weights at a time, where `full_state` would hold
@@ -190,12 +194,13 @@ def _whole(parameter: torch.Tensor) -> torch.Tensor:
         return parameter
     mesh = parameter.device_mesh
     sharded = [p for p in parameter.placements if not isinstance(p, Replicate)]
-    shards = mesh.size(mesh.ndim - 1)
-    if sharded != [Shard(0)] or not isinstance(parameter.placements[-1], Shard) or shards == 1:
+    if sharded != [Shard(0)] or not isinstance(parameter.placements[-1], Shard):
+        return parameter.full_tensor()
+    shards, per_shard, mine = _row_shards(parameter)
+    if shards == 1:
         return parameter.full_tensor()
     local = parameter.to_local()
     rows = parameter.shape[0]
-    per_shard = -(-rows // shards)
     if local.shape[0] < per_shard:  # the last shards are short or empty; the gather wants equal
         pad = local.new_zeros((per_shard - local.shape[0], *local.shape[1:]))
         local = torch.cat([local, pad])
@@ -204,7 +209,6 @@ def _whole(parameter: torch.Tensor) -> torch.Tensor:
     if dist.get_backend(group) == "gloo":
         # Gloo's gathers stage the whole output in a buffer of their own; its broadcast writes
         # in place, so each shard is sent from its owner into its rows of `whole`.
-        mine = mesh.get_local_rank(mesh.ndim - 1)
         for index in range(shards):
             rows_of = whole.narrow(0, index * per_shard, per_shard)
             if index == mine:

@@ -35,6 +35,7 @@ from rlmtrain.model.presets import ModelArgs, RopeScaling
 from rlmtrain.model.transformer import Transformer
 
 __all__ = [
+    "TIED_HEAD",
     "CheckpointError",
     "RowReader",
     "args_from_hf_config",
@@ -45,6 +46,7 @@ __all__ = [
     "named_hf_tensors",
     "read_hf_args",
     "save_hf",
+    "tied_copy_differs",
     "write_hf_config",
 ]
 
@@ -53,7 +55,9 @@ INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_TIED_HEAD = "lm_head.weight"
+TIED_HEAD = "lm_head.weight"
+"""The head's name in a checkpoint: with tied embeddings not a parameter, though some exporters
+write it; accepted when it equals the embedding (`tied_copy_differs` otherwise)."""
 
 
 class CheckpointError(UserError, ValueError):
@@ -98,7 +102,7 @@ def load_hf_tensors(
     with torch.no_grad():
         for hf_name, tensor in named:
             ours = _our_name(hf_name)
-            if ours == _TIED_HEAD and model.lm_head is None:
+            if ours == TIED_HEAD and model.lm_head is None:
                 tied_copy = tensor  # compared once the embedding itself has arrived
                 continue
             if ours not in params:
@@ -123,10 +127,14 @@ def _check_tied_duplicate(model: Transformer, tensor: Tensor, source: str) -> No
     if tuple(tensor.shape) != tuple(embedding.shape) or not torch.equal(
         tensor.to(embedding), embedding.detach()
     ):
-        raise CheckpointError(
-            f"{source}: {_TIED_HEAD!r} differs from model.embed_tokens.weight "
-            f"but the config ties them"
-        )
+        raise tied_copy_differs(source)
+
+
+def tied_copy_differs(source: str) -> CheckpointError:
+    """The error for a checkpoint whose head copy is not the embedding it should be tied to."""
+    return CheckpointError(
+        f"{source}: {TIED_HEAD!r} differs from model.embed_tokens.weight but the config ties them"
+    )
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -248,7 +256,7 @@ def load_hf(
     for path in _weight_files(directory):
         named = _read_safetensors(path)
         if args.tie_word_embeddings:  # the embedding may sit in a later shard than the copy
-            named = _set_aside(named, _TIED_HEAD, path, tied_copies)
+            named = _set_aside(named, TIED_HEAD, path, tied_copies)
         loaded |= load_hf_tensors(model, named, source=str(path))
     for path, tensor in tied_copies:
         _check_tied_duplicate(model, tensor, str(path))

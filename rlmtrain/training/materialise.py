@@ -17,9 +17,7 @@ from torch.distributed.tensor import DTensor
 from rlmtrain import parallel
 from rlmtrain.config import ModelConfig
 from rlmtrain.model import CheckpointError, RowReader, Transformer, model_skeleton
-from rlmtrain.model.hf import named_hf_tensors
-
-_TIED_HEAD = "lm_head.weight"
+from rlmtrain.model.hf import TIED_HEAD, named_hf_tensors, tied_copy_differs
 
 
 def sharded_policy(
@@ -61,8 +59,7 @@ def _load_rows(model: Transformer, reader: RowReader) -> None:
     source = str(reader.directory)
     expected = dict(named_hf_tensors(model))
     present = reader.names()
-    # A tied head's copy is not a parameter, but some exporters write it anyway.
-    unknown = sorted(present - set(expected) - {_TIED_HEAD})
+    unknown = sorted(present - set(expected) - {TIED_HEAD})
     if unknown:
         raise CheckpointError(
             f"{source}: unknown tensor {unknown[0]!r} (not a parameter of this model)"
@@ -80,18 +77,15 @@ def _load_rows(model: Transformer, reader: RowReader) -> None:
             )
         _local(parameter).copy_(reader.read_rows(hf_name, parallel.local_rows(parameter)))
     differs = False
-    if _TIED_HEAD in present and _TIED_HEAD not in expected:
+    if TIED_HEAD in present and TIED_HEAD not in expected:
         embedding = model.embed_tokens.weight
         # The shapes first: rows of a head of another shape may not exist on every rank.
-        differs = reader.shape(_TIED_HEAD) != tuple(embedding.shape) or not torch.equal(
-            reader.read_rows(_TIED_HEAD, parallel.local_rows(embedding)).to(torch.float32),
+        differs = reader.shape(TIED_HEAD) != tuple(embedding.shape) or not torch.equal(
+            reader.read_rows(TIED_HEAD, parallel.local_rows(embedding)).to(torch.float32),
             _local(embedding).cpu(),
         )
     if any(parallel.all_gather(differs)):
-        raise CheckpointError(
-            f"{source}: {_TIED_HEAD!r} differs from model.embed_tokens.weight but the config "
-            "ties them"
-        )
+        raise tied_copy_differs(source)
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:
