@@ -64,23 +64,34 @@ def check_shared_folder(folder: RunFolder, world: parallel.World) -> None:
     if world.size == 1:
         return
     host = socket.gethostname()
-    token = uuid.uuid4().hex
-    note = folder.rank_note(world.rank)
-    try:
-        note.parent.mkdir(parents=True, exist_ok=True)
-        note.write_text(json.dumps({"rank": world.rank, "host": host, "token": token}))
-    except OSError:
-        pass  # rank 0 names it below; raising here alone would leave the others waiting
-    written = parallel.all_gather((host, token))
+    # A rank that cannot write its note does not raise alone (the others would wait for it):
+    # it sends no token, and rank 0 names it with the unseen.
+    written = parallel.all_gather((host, _write_note(folder, world.rank, host)))
     verdict = None
     if world.is_main:
-        missing = [r for r, (_, wanted) in enumerate(written) if _read_token(folder, r) != wanted]
+        missing = [
+            r for r, (_, wanted) in enumerate(written)
+            if wanted is None or _read_token(folder, r) != wanted
+        ]  # fmt: skip
         shutil.rmtree(folder.ranks, ignore_errors=True)
         if missing:
             verdict = _unseen(folder, missing, [host for host, _ in written])
     verdict = parallel.broadcast(verdict)
     if verdict is not None:
         raise LaunchError(verdict)
+
+
+def _write_note(folder: RunFolder, rank: int, host: str) -> str | None:
+    """This rank's note of this start, written into the run folder; its token, or None when it
+    could not be written."""
+    token = uuid.uuid4().hex
+    note = folder.rank_note(rank)
+    try:
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text(json.dumps({"rank": rank, "host": host, "token": token}))
+    except OSError:
+        return None
+    return token
 
 
 def _read_token(folder: RunFolder, rank: int) -> str | None:
