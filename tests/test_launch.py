@@ -127,6 +127,16 @@ def test_the_verdict_names_each_unseen_rank_with_its_host(tmp_path, monkeypatch)
     assert not folder.ranks.exists()  # a later start, of any world size, finds no notes
 
 
+def test_a_rank_that_could_not_write_its_note_is_named(tmp_path, monkeypatch):
+    """Rank 1 of two failed to write (it sends no token) and left no note: it is unseen."""
+    folder = RunFolder(tmp_path / "run").make()
+    monkeypatch.setattr(parallel, "all_gather", lambda mine: [mine, ("node2", None)])
+    monkeypatch.setattr(parallel, "broadcast", lambda verdict: verdict)
+    monkeypatch.setattr(launch.socket, "gethostname", lambda: "node1")
+    with pytest.raises(LaunchError, match=r"what rank 1 \(host node2\) writes there cannot"):
+        check_shared_folder(folder, parallel.World(rank=0, size=2))
+
+
 def _two_ranks(base: Path, layout: str, out: Path) -> list[dict]:
     out.mkdir()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
