@@ -194,6 +194,8 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
     for row in steps[4:]:
         assert len(row["generated_tokens_per_rank"]) == ranks
         assert min(row["generated_tokens_per_rank"]) > 0, row  # no engine idled
+        # The synchronous loop trains every token under the weights that sampled it.
+        assert row["staleness_max"] == 0 and row["staleness_fresh_frac"] == 1.0, row
         trained = ("train", "sync") if "loss" in row else ()  # a step may keep no group
         for mark in ("rollout", *trained):  # each rank's memory at each phase
             assert len(row["memory_gib_ranks"][f"{mark}_resident"]) == ranks

@@ -201,6 +201,12 @@ def test_update_weights_mid_stream(model) -> None:
     assert changed
     assert stats.weight_version == 1 and stats.requests_done == len(requests)
     assert all(c.finish_reason == "length" and len(c.token_ids) == 24 for c in after)
+    # Every token says which weights sampled it: the first request crossed the update (old, then
+    # new), the last was admitted after it; without the update every token is version 0.
+    assert all(c.weight_versions == [0] * 24 for c in before)
+    crossed = after[0].weight_versions
+    assert crossed == sorted(crossed) and crossed[0] == 0 and crossed[-1] == 1
+    assert after[-1].weight_versions == [1] * 24
     # The first request started under the old weights: its first tokens agree, later ones not.
     assert after[0].token_ids[:3] == before[0].token_ids[:3]
     assert sum(a.token_ids != b.token_ids for a, b in zip(after, before, strict=True)) >= 20

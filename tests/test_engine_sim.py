@@ -171,6 +171,8 @@ def test_update_weights_counts_versions_between_steps() -> None:
     async def main():
         engine = echo_engine(latency=LatencyModel(a=0.001))
         pending = asyncio.create_task(engine.generate([65] * 30, params()))
+        while engine.stats().steps < 3:
+            await asyncio.sleep(0.001)
         await engine.update_weights([])
         await engine.update_weights([])
         completion = await pending
@@ -179,6 +181,10 @@ def test_update_weights_counts_versions_between_steps() -> None:
 
     completion, version = asyncio.run(main())
     assert version == 2 and completion.finish_reason == "stop"
+    # Its tokens name the versions they were sampled under, in order, from 0 to 2.
+    versions = completion.weight_versions
+    assert len(versions) == len(completion.token_ids)
+    assert versions == sorted(versions) and versions[0] == 0 and versions[-1] == 2
 
 
 # ---------------------------------------------------------------------------------------------

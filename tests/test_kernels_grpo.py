@@ -140,8 +140,13 @@ def test_matches_direct_formula(option, impl, device):
     if sampler is not None:
         gap = (old - sampler).abs()[counted]
         assert m.sampler_logp_gap.item() == pytest.approx(gap.mean().item(), rel=1e-5)
+        tis = torch.exp(old - sampler)[counted]
+        tis = tis.clamp(max=cap) if cap is not None else tis
+        assert m.tis_weight_mean.item() == pytest.approx(tis.mean().item(), rel=1e-5)
+        assert m.tis_weight_sq_mean.item() == pytest.approx((tis * tis).mean().item(), rel=1e-5)
     else:
         assert m.sampler_logp_gap.item() == 0.0
+        assert m.tis_weight_mean.item() == m.tis_weight_sq_mean.item() == 1.0
     if cap is not None:
         tis = torch.exp(old - sampler)[counted]
         assert m.tis_clipped_frac.item() == pytest.approx((tis > cap).double().mean().item())

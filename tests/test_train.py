@@ -173,6 +173,7 @@ def test_grpo_step_moves_the_policy_with_kl_and_tis():
     assert torch.isfinite(torch.tensor(row["loss"]))
     assert row["kl_mean"] == pytest.approx(0.0, abs=1e-6)
     assert row["tis_clipped_frac"] == 0.0  # the engine's log-probs equal the trainer's
+    assert row["tis_ess_frac"] == pytest.approx(1.0, abs=1e-5)  # and so every weight is ~1
     assert row["grad_norm"] > 0
     assert sum(engine_logprobs(completions[0])) > before
 

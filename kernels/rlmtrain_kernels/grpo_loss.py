@@ -29,6 +29,10 @@ They are unweighted averages over the counted tokens, those with weight != 0:
     tokens            the number of counted tokens
     sampler_logp_gap  mean |old_logp - sampler_logp| (0 without sampler_logp): the trainer's
                       pi_old against the engine's log-probs, what TIS corrects for
+    tis_weight_mean   mean truncated-IS factor (1 without sampler_logp)
+    tis_weight_sq_mean  mean of its square: mean^2 / this is the effective sample size of the
+                      tokens as a share of their count (Kish), how far the sampler's tokens
+                      still speak for the policy being trained
 With no counted token every average is 0.
 
 The Triton kernel processes BLOCK tokens per program and writes per-program partial sums that a
@@ -57,6 +61,8 @@ METRIC_NAMES = (
     "ratio_max",
     "tokens",
     "sampler_logp_gap",
+    "tis_weight_mean",
+    "tis_weight_sq_mean",
 )
 NUM_METRIC_SUMS = len(METRIC_NAMES)
 # Tokens per program of the elementwise kernel (launched with Triton's default 4 warps).
@@ -78,6 +84,8 @@ class GRPOMetrics(NamedTuple):
     tokens: torch.Tensor
     sampler_logp_gap: torch.Tensor
     """mean |old_logp - sampler_logp|: how far the trainer's pi_old is from the engine's."""
+    tis_weight_mean: torch.Tensor
+    tis_weight_sq_mean: torch.Tensor
 
 
 def finalize_metrics(sums: torch.Tensor) -> GRPOMetrics:
@@ -143,6 +151,7 @@ def _grpo_loss_kernel(
         dpg = tl.where(dual_active, 0.0, dpg)
     tis_clipped = tl.zeros([BLOCK], dtype=tl.int1)
     gap = tl.zeros([BLOCK], dtype=tl.float32)
+    tis_weight = tl.full([BLOCK], 1.0, dtype=tl.float32)
     if HAS_SAMPLER:
         sampler = tl.load(SAMPLER_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         gap = tl.abs(old - sampler)
@@ -152,6 +161,7 @@ def _grpo_loss_kernel(
             tis = tl.minimum(tis, tis_cap, propagate_nan=tl.PropagateNan.ALL)
         pg = pg * tis
         dpg = dpg * tis
+        tis_weight = tis
     kl = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_REF:
         ref = tl.load(REF_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -180,6 +190,8 @@ def _grpo_loss_kernel(
     tl.store(out + 6, tl.where(any_nan, float("nan"), ratio_max))
     tl.store(out + 7, tl.sum(cnt, axis=0))
     tl.store(out + 8, tl.sum(tl.where(counted, gap, 0.0), axis=0))
+    tl.store(out + 9, tl.sum(tl.where(counted, tis_weight, 0.0), axis=0))
+    tl.store(out + 10, tl.sum(tl.where(counted, tis_weight * tis_weight, 0.0), axis=0))
 
 
 def _grpo_forward_triton(

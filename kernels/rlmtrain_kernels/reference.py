@@ -367,6 +367,7 @@ def grpo_forward(
         dpg = torch.where(dual_active, 0.0, dpg)
     tis_clipped = torch.zeros_like(take_unclipped)
     gap = torch.zeros_like(logp)
+    tis = torch.ones_like(logp)
     if sampler_logp is not None:
         gap = (old_logp - sampler_logp.float()).abs()
         tis = torch.exp(old_logp - sampler_logp.float())
@@ -399,6 +400,8 @@ def grpo_forward(
             ratio_max,
             cnt.sum(),
             torch.where(counted, gap, 0.0).sum(),
+            torch.where(counted, tis, 0.0).sum(),
+            torch.where(counted, tis * tis, 0.0).sum(),
         ]
     )
     return loss, torch.where(counted, w * dpg, 0.0), sums

@@ -341,6 +341,7 @@ class _Run:
         completion = await agent.generate(prompt_ids, params)
         turn.completion_ids = completion.token_ids
         turn.sampler_logprobs = completion.logprobs
+        turn.weight_versions = completion.weight_versions
         trajectory.turns.append(turn)
         if completion.finish_reason == "abort":
             turn.ended = time.time()
@@ -500,6 +501,7 @@ async def run_plain_call(
         return trajectory
     turn.completion_ids = completion.token_ids
     turn.sampler_logprobs = completion.logprobs
+    turn.weight_versions = completion.weight_versions
     turn.ended = time.time()
     trajectory.turns.append(turn)
     if completion.finish_reason == "abort":

@@ -64,11 +64,20 @@ class Completion(msgspec.Struct, kw_only=True):
     finish_reason: EngineFinishReason
     """stop: a stop token or string ended it; length: max_new_tokens reached; abort: the engine
     dropped the request (shutdown, weight update)."""
+    weight_versions: list[int] = []
+    """The engine's weight version (updates applied, `EngineStats.weight_version`) under which
+    each token was sampled; same length, or empty from an engine that does not say. A request
+    in flight across a weight update has tokens of both versions."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"Completion has {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs"
+            )
+        if self.weight_versions and len(self.weight_versions) != len(self.token_ids):
+            raise ValueError(
+                f"Completion has {len(self.token_ids)} token ids but "
+                f"{len(self.weight_versions)} weight versions"
             )
 
 

@@ -44,6 +44,10 @@ class Turn(msgspec.Struct, kw_only=True):
     """Token ids exactly as the engine returned them."""
     sampler_logprobs: list[float]
     """The engine's log-prob of each completion token, len == len(completion_ids)."""
+    weight_versions: list[int] = []
+    """The engine's weight version under which each completion token was sampled (the
+    `Completion`'s), len == len(completion_ids); empty where the engine does not say or the turn
+    is a teacher's."""
     code: str = ""
     """The code extracted from the completion and run in the REPL ('' if none)."""
     output: str = ""

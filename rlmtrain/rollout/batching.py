@@ -60,6 +60,7 @@ class Request:
         "state",
         "stop",
         "token_ids",
+        "weight_versions",
     )
 
     def __init__(
@@ -77,6 +78,8 @@ class Request:
         self.future = future
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.weight_versions: list[int] = []
+        """The engine's weight version at each appended token (set by the step loop)."""
         self.reserved_tokens = 0
         """KV-cache tokens held back for this sequence's worst case while it runs."""
         self.cancelled = False
@@ -262,6 +265,10 @@ class BatchingEngine(abc.ABC):
                 self._fail([*admitted, *running], exc)
                 continue
             self._stats.busy_s += time.perf_counter() - began
+            # A step appends one token to each of its requests, all under one weight version:
+            # updates are applied between steps only.
+            for request in (*admitted, *running):
+                request.weight_versions.append(self._stats.weight_version)
             self._stats.steps += 1
             self._stats.batch_slots_used += len(admitted) + len(running)
             self._stats.generated_tokens += len(admitted) + len(running)
@@ -330,5 +337,10 @@ class BatchingEngine(abc.ABC):
             return
         self._stats.requests_done += 1
         request.future.set_result(
-            Completion(token_ids=request.token_ids, logprobs=request.logprobs, finish_reason=reason)
+            Completion(
+                token_ids=request.token_ids,
+                logprobs=request.logprobs,
+                finish_reason=reason,
+                weight_versions=request.weight_versions,
+            )
         )

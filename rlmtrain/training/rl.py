@@ -15,6 +15,7 @@ import itertools
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from rlmtrain import checkpointing, memory, parallel
 from rlmtrain.algo import build_samples, compute_advantages
+from rlmtrain.algo.staleness import summarise, token_staleness
 from rlmtrain.config import Config
 from rlmtrain.envs.base import Task
 from rlmtrain.evaluation import spawned
@@ -111,6 +113,8 @@ async def rl_step(
         else []
     )
     marks = {"rollout": memory.figures(run.device)}
+    # The weights this step trains: the engine's, synced before the rollout.
+    version = run.engine.stats().weight_version
     # Each group whole again on the rank that holds its first root, which scores it: only the
     # parts of groups a share boundary cut travel.
     parts = [(task, group) for (task, _), group in zip(mine, rolled, strict=True)]
@@ -139,9 +143,10 @@ async def rl_step(
     local = build_samples(groups, advantages, cfg.algo, num_groups=max(1, kept))
     scores = rewards.env_scores
     flat_local = [r for rs in scores for r in rs if r is not None]
-    shares = parallel.all_gather((local, flat_local))
-    samples = [sample for share, _ in shares for sample in share]
-    flat = [r for _, rewards_of_rank in shares for r in rewards_of_rank]
+    shares = parallel.all_gather((local, flat_local, token_staleness(groups, version)))
+    samples = [sample for share, _, _ in shares for sample in share]
+    flat = [r for _, rewards_of_rank, _ in shares for r in rewards_of_rank]
+    staleness = summarise(sum((ages for _, _, ages in shares), Counter()))
     row: dict[str, Any] = {
         "phase": "rl",
         "step": step,
@@ -156,6 +161,7 @@ async def rl_step(
             scheduler.metrics.generated_tokens if scheduler.metrics else 0
         ),
         **rewarder.row(counts[3:].tolist()),
+        **staleness.row(),
     }
     if samples:
         train_began = time.perf_counter()

@@ -85,6 +85,8 @@ GRPO_SUMS = (
     "tis_clipped_frac",
     "engine_logp_gap",
     "kl_mean",
+    "tis_weight_mean",
+    "tis_weight_sq_mean",
     "entropy_sum",
     "trained_tokens",
 )
@@ -154,6 +156,8 @@ def grpo_step(
                     m.tis_clipped_frac * share,
                     m.sampler_logp_gap * share,
                     m.kl_mean * share,
+                    m.tis_weight_mean * share,
+                    m.tis_weight_sq_mean * share,
                     entropy.detach()[trained].sum(),
                     trained.sum(),
                 ]
@@ -164,7 +168,12 @@ def grpo_step(
         norms.append(clip_and_step(model, optimizer, cfg))
     row = dict(zip(GRPO_SUMS, parallel.all_sum(sums).tolist(), strict=True))
     row["entropy"] = row.pop("entropy_sum") / max(1.0, row.pop("trained_tokens"))
-    if not cfg.algo.tis_cap:
+    weight_mean, weight_sq_mean = row.pop("tis_weight_mean"), row.pop("tis_weight_sq_mean")
+    if cfg.algo.tis_cap:
+        # Kish's effective sample size of the truncated-IS weights, as a share of the tokens:
+        # 1 when the sampler's tokens are the trained policy's, lower as they grow stale.
+        row["tis_ess_frac"] = weight_mean**2 / weight_sq_mean if weight_sq_mean > 0 else 1.0
+    else:
         # Measured only where the engine's log-probs enter the loss (truncated IS).
         del row["engine_logp_gap"]
     if updates > 1:

@@ -302,10 +302,11 @@ class VLLMEngine:
         )
         token_ids: list[int] = []
         logprobs: list[float] = []
+        versions: list[int] = []
         self._in_flight += 1
         self._drained.clear()
         streaming = asyncio.ensure_future(
-            self._stream(prompt_ids, request, params, token_ids, logprobs)
+            self._stream(prompt_ids, request, params, token_ids, logprobs, versions)
         )
         closing = asyncio.ensure_future(self._closing.wait())
         try:
@@ -327,7 +328,9 @@ class VLLMEngine:
                 self._drained.set()
         self._stats.requests_done += 1
         self._stats.prompt_tokens += len(prompt_ids)
-        return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+        return Completion(
+            token_ids=token_ids, logprobs=logprobs, finish_reason=reason, weight_versions=versions
+        )
 
     async def _stream(
         self,
@@ -336,8 +339,14 @@ class VLLMEngine:
         params: SamplingParams,
         token_ids: list[int],
         logprobs: list[float],
+        versions: list[int],
     ) -> str:
-        """Stream one request into `token_ids` / `logprobs`; its finish reason."""
+        """Stream one request into `token_ids` / `logprobs` / `versions`; its finish reason.
+
+        A token's version is the engine's when the token arrives: generation is paused through
+        an update and the version moves before it resumes, so a token sampled under new weights
+        never carries the old version (one sampled just before the pause may arrive after the
+        update and carry the new one)."""
         check = StopCheck(params, self._decode, self._pieces)
         stream = self.llm.generate(
             TokensPrompt(prompt_token_ids=list(prompt_ids)), request, uuid.uuid4().hex
@@ -348,6 +357,7 @@ class VLLMEngine:
                 for token, step in zip(sample.token_ids, sample.logprobs, strict=True):
                     token_ids.append(token)
                     logprobs.append(float(step[token].logprob))
+                    versions.append(self._stats.weight_version)
                     self._stats.generated_tokens += 1
                     reason = check(token_ids)
                     if reason is not None:
@@ -385,9 +395,9 @@ class VLLMEngine:
                 self._failed = f"a weight update failed ({type(exc).__name__}: {exc})"
                 self._closing.set()
                 raise
+            self._awaiting_weights = False
+            self._stats.weight_version += 1
             await self._call(self.llm.resume_generation())
-        self._awaiting_weights = False
-        self._stats.weight_version += 1
 
     async def _call(self, call: Awaitable[T]) -> T:
         """Await one of vLLM's engine-core calls, or raise once the engine core is dead (vLLM
