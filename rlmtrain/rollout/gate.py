@@ -2,7 +2,8 @@
 
 The scheduler puts one in front of the engine (in-flight requests) and one in front of the REPL
 (live workers). A waiter asks for a slot with a priority (lower first; the scheduler uses
-(-depth, tree order), so deeper calls unblock their parents first and older trees finish first)
+(batch, -depth, tree order), so an earlier batch's calls go first, deeper calls unblock their
+parents first and older trees finish first)
 and a reserve: it is granted only if at least `reserve` slots stay free afterwards.
 
 The reserve is what keeps the worker limit free of deadlock. A parent holds its worker while it

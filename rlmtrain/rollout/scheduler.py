@@ -8,12 +8,13 @@ continuous batching sees every live request at once. Children are spawned as tas
 (`spawn` runs a call's children concurrently and answers in order).
 
 Admission and priority:
-- trees: at most `max_live_trees` roots run at once, admitted in task order; one REPL zygote per
-  task (its context loaded once, shared copy-on-write by the G roots and their children), closed
-  when the task's last tree ends;
+- trees: at most `max_live_trees` roots run at once, over every rollout running on the
+  scheduler, admitted by batch then task order; one REPL zygote per task (its context loaded
+  once, shared copy-on-write by the G roots and their children), closed when the task's last
+  tree ends;
 - engine requests: at most `max_inflight_requests` in flight, the rest queued by priority
-  (deeper first so blocked parents resume sooner, then older trees so trees finish rather than
-  all progressing slowly);
+  (an earlier batch first, then deeper first so blocked parents resume sooner, then older trees
+  so trees finish rather than all progressing slowly);
 - REPL workers: at most `max_live_workers`, same priority, with a per-depth reserve that makes
   the limit deadlock-free (see `gate.py`). Plain LM calls at the depth limit need no worker.
 
@@ -27,6 +28,11 @@ unfinished trajectories keep finish_reason "aborted".
 Every prompt is rendered by the tokenizer bound to `rollout.chat_template_kwargs` here
 (`model.tokenizer.with_chat_template_kwargs`), so RL rollouts, evaluations and the teacher's
 trees (the SFT samples) share one prompt format; the engines take the token ids as rendered.
+
+Several rollouts may run at once on one scheduler, each with its `batch` number: the rollouts
+of training steps to come (`rollout.ahead`) fill the engine only with what the earlier steps'
+trees leave of it, so an engine whose step is down to its last deep trees backfills with the
+next step's roots instead of idling.
 
 The REPL is reached through `start_zygote` (default: `rlm.repl.Zygote.start` with the config's
 limits), which a benchmark may replace to drive the engine path without executing code.
@@ -109,10 +115,16 @@ class _TaskRun:
 class _Tree:
     run: _TaskRun
     root: Trajectory
+    batch: int
     order: int
     deadline: float
     tasks: set[asyncio.Task[Any]] = dataclasses.field(default_factory=set)
     aborted: bool = False
+
+    def priority(self, depth: int) -> tuple[int, int, int]:
+        """Where a call of this tree at `depth` queues: an earlier batch first, then deeper
+        calls, then older trees."""
+        return (self.batch, -depth, self.order)
 
     @contextlib.contextmanager
     def timeout_on_cancel(self, trajectory: Trajectory) -> Iterator[None]:
@@ -172,6 +184,7 @@ class Scheduler:
         """Called with each root as its tree ends (progress display)."""
         self._requests = PriorityGate(config.max_inflight_requests, "max_inflight_requests")
         self._workers = PriorityGate(config.max_live_workers, "max_live_workers")
+        self._live_trees = PriorityGate(config.max_live_trees, "max_live_trees")
         self._trees: dict[str, _Tree] = {}
         self._zygotes: set[ReplHost] = set()
         self._order = itertools.count()
@@ -184,13 +197,17 @@ class Scheduler:
         env: RLMEnv,
         n_samples: int,
         samples: Sequence[Sequence[int]] | None = None,
+        *,
+        batch: int = 0,
     ) -> list[RolloutGroup]:
         """G = n_samples trees per task; one RolloutGroup per task, in task order.
 
         samples: the sample indices (roots) of each task to roll out here, where a group's
         roots are dealt over several engines (`rollout.dealing`); None = all G. A root's ids
         and sampling seeds come from its task and index alone, so it is the same tree on
-        whichever engine runs it."""
+        whichever engine runs it.
+        batch: where this rollout's trees and requests queue among other rollouts running at
+        the same time on this scheduler (lower first)."""
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
         indices = [list(range(n_samples)) for _ in tasks] if samples is None else samples
@@ -202,24 +219,23 @@ class Scheduler:
             )
             for task, mine in zip(tasks, indices, strict=True)
         ]
-        trees = asyncio.Semaphore(self.config.max_live_trees)
         latencies: list[float] = []
         start_stats = msgspec.structs.replace(self.engine.stats())
         timeline: list[OccupancySample] = []
         began = time.perf_counter()
         sampler = asyncio.create_task(self._sample_engine(began, timeline), name="metrics")
 
-        async def one_tree(run: _TaskRun, sample_idx: int) -> None:
-            async with trees:
+        async def one_tree(run: _TaskRun, sample_idx: int, order: int) -> None:
+            async with self._live_trees.slot((batch, order)):
                 admitted = time.perf_counter()
-                await self._run_tree(run, env, sample_idx)
+                await self._run_tree(run, env, sample_idx, batch)
                 latencies.append(time.perf_counter() - admitted)
 
         try:
             async with asyncio.TaskGroup() as group:
-                for run, mine in zip(runs, indices, strict=True):
-                    for sample_idx in mine:
-                        group.create_task(one_tree(run, sample_idx))
+                roots = ((run, i) for run, mine in zip(runs, indices, strict=True) for i in mine)
+                for order, (run, sample_idx) in enumerate(roots):
+                    group.create_task(one_tree(run, sample_idx, order))
         finally:
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
@@ -260,13 +276,14 @@ class Scheduler:
 
     # -- trees -----------------------------------------------------------------------------
 
-    async def _run_tree(self, run: _TaskRun, env: RLMEnv, sample_idx: int) -> None:
+    async def _run_tree(self, run: _TaskRun, env: RLMEnv, sample_idx: int, batch: int) -> None:
         root = root_trajectory(run.task.id, sample_idx, run.task.query)
         run.group.trajectories.append(root)
         loop = asyncio.get_running_loop()
         tree = _Tree(
             run=run,
             root=root,
+            batch=batch,
             order=next(self._order),
             deadline=loop.time() + self.config.tree_timeout_s,
         )
@@ -315,7 +332,7 @@ class Scheduler:
     # -- trajectories ------------------------------------------------------------------------
 
     def _agent(self, env: RLMEnv, tree: _Tree, depth: int) -> Agent:
-        priority = (-depth, tree.order)
+        priority = tree.priority(depth)
 
         async def generate(prompt_ids: list[int], params: SamplingParams) -> Completion:
             async with self._requests.slot(priority):
@@ -335,7 +352,7 @@ class Scheduler:
     ) -> None:
         depth = trajectory.depth
         reserve = max(self.config.max_depth - depth, 0)
-        async with self._workers.slot((-depth, tree.order), reserve=reserve):
+        async with self._workers.slot(tree.priority(depth), reserve=reserve):
             try:
                 session = await zygote.session(context=context)
             except Exception as exc:  # no worker: the trajectory fails, its parent is told
