@@ -33,13 +33,19 @@ from rlmtrain.devices import resolve_device
 
 @dataclass(frozen=True)
 class World:
+    """This process's side of the run: `rank` of `size` among the ranks that do what it does.
+    A world split for `rollout.inference_ranks` has two sides, each its own process group: the
+    first ranks train (`trains`), the last `inference_ranks` roll out."""
+
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    inference_ranks: int = 0
+    trains: bool = True
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.trains and self.rank == 0
 
 
 def launched() -> bool:
@@ -47,12 +53,26 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def start(device_choice: str, *, timeout_s: float = 1800.0) -> tuple[World, torch.device]:
-    """Join (or, alone, make) the run's process group; the world and this rank's device."""
+def start(
+    device_choice: str, *, timeout_s: float = 1800.0, inference_ranks: int = 0
+) -> tuple[World, torch.device]:
+    """Join (or, alone, make) the run's process group; the world and this rank's device.
+
+    inference_ranks > 0 splits a launched world: the trainers' process group holds its first
+    ranks, the inference ranks' its last, each numbered from 0 within its side, and the launch's
+    store is kept for the bridge between them (`bridge.Bridge`)."""
+    rank = int(os.environ.get("RANK", 0))
+    size = int(os.environ.get("WORLD_SIZE", 1))
+    if split_refused(inference_ranks):
+        raise ValueError(split_refused(inference_ranks))
+    trainers = size - inference_ranks
+    trains = rank < trainers
     world = World(
-        rank=int(os.environ.get("RANK", 0)),
-        size=int(os.environ.get("WORLD_SIZE", 1)),
+        rank=rank if trains else rank - trainers,
+        size=trainers if trains else inference_ranks,
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        inference_ranks=inference_ranks,
+        trains=trains,
     )
     device = resolve_device(device_choice)
     if device.type == "cuda":
@@ -62,7 +82,18 @@ def start(device_choice: str, *, timeout_s: float = 1800.0) -> tuple[World, torc
     timeout = datetime.timedelta(seconds=timeout_s)
     if dist.is_initialized():
         raise RuntimeError("a process group is already running in this process")
-    if launched():
+    if inference_ranks:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
+        side = "trainers/" if trains else "inference/"
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(side, store),
+            rank=world.rank,
+            world_size=world.size,
+            timeout=timeout,
+        )
+        _LAUNCH_STORE[:] = [store]
+    elif launched():
         dist.init_process_group(backend, timeout=timeout)
     else:
         store = dist.HashStore()
@@ -85,8 +116,34 @@ def start(device_choice: str, *, timeout_s: float = 1800.0) -> tuple[World, torc
 _GLOO_WORKERS_SETTLE_S = 0.25
 
 
+def split_refused(inference_ranks: int) -> str:
+    """Why a world cannot give `inference_ranks` ranks to rollouts ("" when it can)."""
+    if not inference_ranks:
+        return ""
+    if not launched():
+        return f"{inference_ranks} inference rank(s) need a world launched by torchrun"
+    size = int(os.environ["WORLD_SIZE"])
+    if inference_ranks >= size:
+        return (
+            f"{inference_ranks} inference rank(s) leave none of the {size} launched ranks to train"
+        )
+    return ""
+
+
+# The launch's store, kept by a split world's `start` for the bridge between its two sides.
+_LAUNCH_STORE: list[Any] = []
+
+
+def launch_store() -> Any:
+    """The store every rank of a split world met through (refused in any other world)."""
+    if not _LAUNCH_STORE:
+        raise RuntimeError("only a world split for inference ranks has a bridge")
+    return _LAUNCH_STORE[0]
+
+
 def stop() -> None:
     """Leave the process group; the last thing a rank does with it."""
+    _LAUNCH_STORE.clear()
     if dist.is_initialized():
         uses_gloo = dist.get_backend() == "gloo"
         _OBJECTS.clear()  # destroyed with the rest

@@ -35,10 +35,11 @@ import uvloop
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rlmtrain import parallel
-from rlmtrain.config import Config
+from rlmtrain.config import Config, ConfigError
 from rlmtrain.launch import check_launcher
 from rlmtrain.training.rl import rl_phase
 from rlmtrain.training.sft import sft_phase
+from rlmtrain.training.split import serve_rollouts
 from rlmtrain.training.startup import check_run_rules, start_run
 
 log = logging.getLogger("rlmtrain.train")
@@ -48,11 +49,15 @@ def main(cfg: Config) -> int:
     """Train as `cfg` says, as one rank of the world the environment describes (one process
     when not launched by torchrun)."""
     check_launcher()  # several SLURM tasks without torchrun would be as many separate runs
-    world, device = parallel.start(cfg.train.device)
+    refused = parallel.split_refused(cfg.rollout.inference_ranks)
+    if refused:
+        raise ConfigError(f"rollout.inference_ranks: {refused}")
+    world, device = parallel.start(cfg.train.device, inference_ranks=cfg.rollout.inference_ranks)
     try:
         level = cfg.logging.level.upper() if world.is_main else "WARNING"
         logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
-        check_run_rules(cfg, device)
+        if world.trains:
+            check_run_rules(cfg, device)
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
@@ -65,6 +70,8 @@ def main(cfg: Config) -> int:
         try:
             # Log lines print above the run's progress bar instead of cutting through it.
             with logging_redirect_tqdm():
+                if not world.trains:
+                    return uvloop.run(serve_rollouts(world, device))
                 return uvloop.run(_train(cfg, world, device))
         except _Terminated:
             log.warning("stopped by SIGTERM; the same command resumes from the newest checkpoint")

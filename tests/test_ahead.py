@@ -13,6 +13,7 @@ from scripted_model import DocEnv, check_links, code
 
 from rlmtrain.envs.base import Task
 from rlmtrain.rollout.ahead import Ahead, StepRoots
+from rlmtrain.rollout.engine import SamplingParams
 
 STEPS, TASKS, G = 4, 2, 2
 
@@ -29,8 +30,10 @@ def deep_or_quick(query: str, turn: int) -> str:
 
 
 def plan(step: int) -> StepRoots:
-    tasks = [Task(id=f"s{step}-t{i}", query="deep" if i == 0 else "quick") for i in range(TASKS)]
-    return StepRoots(tasks, [list(range(G))] * TASKS)
+    """The same tasks every step (a small task set wraps around), so steps out at once run
+    trees of the same ids, each step under a seed of its own."""
+    tasks = [Task(id=f"t{i}", query="deep" if i == 0 else "quick") for i in range(TASKS)]
+    return StepRoots(tasks, [list(range(G))] * TASKS, SamplingParams(seed=step))
 
 
 def train_with(max_staleness: int, tmp_path, train_s: float = 0.05):
@@ -67,7 +70,7 @@ def test_every_step_is_trained_whole_within_the_bound(tmp_path, max_staleness):
     assert seen == [list(range(s, min(s + max_staleness + 1, STEPS))) for s in range(STEPS)]
     for step, r in enumerate(rolled):
         assert r.step == step and step - r.admitted_version <= max_staleness
-        assert [g.task.id for g in r.groups] == [f"s{step}-t{i}" for i in range(TASKS)]
+        assert [g.task.id for g in r.groups] == [f"t{i}" for i in range(TASKS)]
         for group in r.groups:
             check_links(group)
             # No tree dropped or cut short for its age: every root of the group, answered.
@@ -100,17 +103,26 @@ def test_a_later_step_rolls_out_while_the_trainer_trains(tmp_path):
     assert stale_tokens(alternated) == 0
 
 
-def test_taking_a_step_not_admitted_is_refused(tmp_path):
+def test_a_step_not_admitted_is_waited_for_and_steps_go_in_order(tmp_path):
     scheduler, engine = make(deep_or_quick)
 
     async def main():
-        ahead = Ahead(scheduler, DocEnv(), G, plan, first=0, steps=STEPS, max_staleness=1)
+        ahead = Ahead(scheduler, DocEnv(), G, plan, first=0, steps=STEPS, max_staleness=0)
         ahead.start()
-        with pytest.raises(ValueError, match="step 2 is not out: admitted up to 1 under version 0"):
-            await ahead.take(2)
+        with pytest.raises(ValueError, match="the steps left are 0 to 3, in order"):
+            await ahead.take(STEPS)
+        assert (await ahead.take(0)).step == 0
+        with pytest.raises(ValueError, match="the steps left are 1 to 3"):
+            await ahead.take(0)
+        waiting = asyncio.ensure_future(ahead.take(1))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and ahead.out() == []  # step 1 waits for version 1
+        ahead.advance(1)
+        assert (await waiting).admitted_version == 1
         with pytest.raises(ValueError, match="versions only grow"):
-            ahead.advance(-1)
-        await ahead.close()  # the admitted steps' trees are cancelled, nothing left running
+            ahead.advance(0)
+        ahead.advance(2)
+        await ahead.close()  # the admitted step's trees are cancelled, nothing left running
         assert set(scheduler.live().values()) == {0}, scheduler.live()
         await engine.close()
 

@@ -26,105 +26,39 @@ started over an earlier run's checkpoints. A checkpoint written before RL's firs
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from clocks import RUN_HANG_S
+from memorised_run import (
+    RL_STEPS,
+    ROOT,
+    SFT_STEPS,
+    env,
+    kill_when,
+    launch,
+    memorise,
+    rows,
+    run_args,
+    synth_two_tasks,
+)
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-PERTURBED = ROOT / "tests" / "perturbed_train.py"
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _launch(ranks: int, perturbed: bool) -> list[str]:
-    entry = [str(PERTURBED)] if perturbed else ["-m", "rlmtrain", "train"]
-    if ranks == 1:
-        return [sys.executable, *entry]
-    port = str(29700 + (os.getpid() + 10 * ranks + perturbed) % 1000)
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-        "--master_port", port, *entry,
-    ]  # fmt: skip
-
-
-# The runs compared go on from the memorised model: a few SFT steps (killed in the middle of
-# them), then RL steps each playing both tasks once.
-MEMORISING_STEPS, SFT_STEPS, RL_STEPS = 130, 8, 4
-
-
-# Rates of the test's own, not the default's: constant SFT and RL at 3e-4, whose trees on these
-# two tasks keep groups with signal in most RL steps (a resume that only replays dropped groups
-# would prove little).
-LEARNING = ("--train.sft_lr_schedule=same", "--train.min_lr_ratio=0", "--train.lr=3e-4")
-
 
 @pytest.fixture(scope="module")
 def two_tasks(tmp_path_factory) -> Path:
-    """One synthetic paper group's tasks (two questions over two papers) and their corpus."""
-    from rlmtrain.envs.synth import synthesize
-
-    folder = tmp_path_factory.mktemp("tasks")
-    synthesize(folder, groups=1, seed=0, first_group=0, max_papers=2, progress=False)
-    return folder / "tasks.jsonl"
-
-
-def _args(run_dir: Path, tasks: Path, *extra: str) -> list[str]:
-    return [
-        "--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={run_dir}",
-        f"--data.train_path={tasks}", f"--data.sft_path={tasks}",
-        f"--train.sft_steps={SFT_STEPS}", f"--train.steps={RL_STEPS}", "--train.tasks_per_step=2",
-        "--rollout.n_samples=4", "--eval.every=0", "--logging.progress=false",
-        "--logging.tensorboard=false", "--checkpoint.every=1", "--checkpoint.keep=20",
-        "--checkpoint.resume=false", *LEARNING, *extra,
-    ]  # fmt: skip
+    return synth_two_tasks(tmp_path_factory.mktemp("tasks"))
 
 
 @pytest.fixture(scope="module")
 def memorised(tmp_path_factory, two_tasks) -> tuple[str, ...]:
-    """The arguments that start a run from the tiny model after MEMORISING_STEPS SFT steps on
-    the two tasks: its exported folder, whose tokenizer the run then reads, and an SFT rate low
-    enough that a fresh optimizer's first steps do not undo what it learned."""
-    run = tmp_path_factory.mktemp("memorised")
-    args = _args(run, two_tasks, f"--train.sft_steps={MEMORISING_STEPS}", "--train.steps=0",
-                 "--checkpoint.every=0")  # fmt: skip
-    result = subprocess.run(
-        [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S,
-        env=_env(),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return f"--model.hf_dir={run / 'final'}", "--model.tokenizer=", "--train.sft_lr=1e-4"
-
-
-def _kill_job(pid: int) -> None:
-    """SIGKILL the launcher and everything under it at once, as a node failure does: torchrun
-    starts each rank in a session of its own, so a process-group kill would miss them."""
-    tree, frontier = [pid], [pid]
-    while frontier:
-        parent = frontier.pop()
-        try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except OSError:
-            continue
-        tree += map(int, children)
-        frontier += map(int, children)
-    for member in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(member, signal.SIGKILL)
+    return memorise(tmp_path_factory.mktemp("memorised"), two_tasks)
 
 
 def _state(checkpoint: Path, scratch: Path) -> dict:
@@ -154,57 +88,36 @@ def _assert_bitwise_equal(a: dict, b: dict) -> None:
             assert value == right[key], key
 
 
-def _kill_when(command: list[str], mark: Path, hold_at: str) -> None:
-    """Run perturbed `command` until `mark` exists, then SIGKILL the whole job; the job stops
-    for good before writing checkpoint `hold_at`, so the kill lands before that one."""
-    job = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        env={**_env(), "RLMTRAIN_TEST_HOLD_AT": hold_at}, start_new_session=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + RUN_HANG_S
-    while not mark.exists():
-        assert job.poll() is None, job.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    _kill_job(job.pid)
-    job.wait()
-    job.stderr.close()
-
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").open()]
-
-
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, memorised, ranks):
     uninterrupted, resumed = tmp_path / "a", tmp_path / "b"
     a = subprocess.run(
-        [*_launch(ranks, False), *_args(uninterrupted, two_tasks, *memorised)],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
+        [*launch(ranks, False), *run_args(uninterrupted, two_tasks, *memorised)],
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
     )  # fmt: skip
     assert a.returncode == 0, a.stderr[-3000:]
-    curve = _rows(uninterrupted)
+    curve = rows(uninterrupted)
     rl = [row for row in curve if row["phase"] == "rl"]
     # The premise: GRPO updates in most RL steps, read through TIS.
     assert sum(row["groups_kept"] > 0 for row in rl) >= 3, rl
     assert all(row["loss"] != 0 for row in rl if row["groups_kept"]), rl
 
     checkpoints = resumed / "checkpoints"
-    perturbed = [*_launch(ranks, True), *_args(resumed, two_tasks, *memorised)]
+    perturbed = [*launch(ranks, True), *run_args(resumed, two_tasks, *memorised)]
     last_sft = f"sft-{SFT_STEPS:06d}"
-    _kill_when(
+    kill_when(
         [*perturbed, "--checkpoint.every=2"], checkpoints / "sft-000004" / "COMPLETE", last_sft
     )
     assert not (checkpoints / last_sft).exists()
     assert not (checkpoints / "sft-000003").exists()  # every other step
-    _kill_when(
+    kill_when(
         [*perturbed, "--checkpoint.resume=true"], checkpoints / "rl-000002" / "COMPLETE",
         "rl-000003",
     )  # fmt: skip
     assert not (checkpoints / "rl-000003").exists()  # killed during step 3
     b = subprocess.run(
         [*perturbed, "--checkpoint.resume=true"],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
     )  # fmt: skip
     assert b.returncode == 0, b.stderr[-3000:]
     assert "resumed from" in b.stderr and "rl-00000" in b.stderr
@@ -217,7 +130,7 @@ def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, memorised, ranks):
         _assert_bitwise_equal(_state(left, tmp_path), _state(right, tmp_path))
     # The resumed run's curve is the uninterrupted one: each step once, the same numbers.
     keys = ("phase", "step", "loss", "lr", "reward_mean", "generated_tokens", "groups_kept")
-    assert [[r.get(k) for k in keys] for r in _rows(resumed)] == [
+    assert [[r.get(k) for k in keys] for r in rows(resumed)] == [
         [r.get(k) for k in keys] for r in curve
     ]
 
@@ -226,10 +139,10 @@ def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, memorised, ranks):
 def one_step_run(tmp_path_factory, two_tasks) -> Path:
     """A run folder holding a real checkpoint: a 1-step SFT run."""
     run = tmp_path_factory.mktemp("one-step") / "run"
-    args = _args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0")
+    args = run_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0")
     result = subprocess.run(
-        [*_launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S,
-        env=_env(),
+        [*launch(1, False), *args], cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S,
+        env=env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return run
@@ -265,8 +178,8 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(tmp_path, two_tasks, one_st
         (checkpoint / "trainer.json").unlink()
     before = {p.name for p in (run / "checkpoints").iterdir()}
     result = subprocess.run(
-        [*_launch(1, False), *_args(run, two_tasks, "--checkpoint.resume=true")],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
+        [*launch(1, False), *run_args(run, two_tasks, "--checkpoint.resume=true")],
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
     )  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -285,11 +198,11 @@ def test_a_resume_under_other_schedules_is_refused_in_one_line(tmp_path, two_tas
     assert recorded["train.steps"] == 0 and recorded["train.lr_schedule"] == "constant"
     result = subprocess.run(
         [
-            *_launch(1, False),
-            *_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0"),
+            *launch(1, False),
+            *run_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0"),
             "--checkpoint.resume=true", "--algo.exploration_beta=0.5",
         ],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
     )  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -306,9 +219,9 @@ def _refusal(result: subprocess.CompletedProcess) -> str:
 
 def _train(run: Path, two_tasks: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*_launch(1, False), *_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0"),
+        [*launch(1, False), *run_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0"),
          *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
     )  # fmt: skip
 
 
@@ -351,12 +264,12 @@ def test_a_checkpoint_before_the_first_rl_update_resumes(tmp_path, two_tasks):
     rl = ("--train.sft_steps=1", "--train.steps=2", "--train.tasks_per_step=1",
           "--rollout.n_samples=2")  # fmt: skip
     first = subprocess.run(
-        [*_launch(1, False), *_args(run, two_tasks, *rl)],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
+        [*launch(1, False), *run_args(run, two_tasks, *rl)],
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
-    rows = [r for r in _rows(run) if r["phase"] == "rl"]
-    assert [r["groups_kept"] for r in rows] == [0, 0], rows
+    rl = [r for r in rows(run) if r["phase"] == "rl"]
+    assert [r["groups_kept"] for r in rl] == [0, 0], rl
     states = {
         name: json.loads((run / "checkpoints" / name / "trainer.json").read_text())
         for name in ("sft-000001", "rl-000001", "rl-000002")
@@ -375,8 +288,8 @@ def test_a_checkpoint_before_the_first_rl_update_resumes(tmp_path, two_tasks):
     (checkpoint / "COMPLETE").write_text(json.dumps(manifest))
     for folder in (run, older):
         resumed = subprocess.run(
-            [*_launch(1, False), *_args(folder, two_tasks, *rl), "--checkpoint.resume=true"],
-            cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
+            [*launch(1, False), *run_args(folder, two_tasks, *rl), "--checkpoint.resume=true"],
+            cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
         )  # fmt: skip
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "resumed from" in resumed.stderr and "rl-000001" in resumed.stderr

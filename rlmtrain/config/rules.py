@@ -61,6 +61,17 @@ def preflight(config: Config) -> str:
             f"{algo.tis_cap} would cap even on-policy tokens below weight 1; use 0 (off) or >= 1",
         ),
         (
+            "algo.max_staleness",
+            algo.max_staleness == 0 or rollout.inference_ranks > 0,
+            "rollouts run ahead of training only on ranks of their own; set "
+            "rollout.inference_ranks",
+        ),
+        (
+            "algo.max_staleness",
+            algo.max_staleness == 0 or algo.tis_cap > 0,
+            "tokens sampled by older weights need the truncated-IS correction; set algo.tis_cap",
+        ),
+        (
             "algo.updates_per_batch",
             algo.updates_per_batch == 1 or algo.clip_low > 0 or algo.clip_high > 0,
             "several updates per batch with no clip (algo.clip_low = algo.clip_high = 0) let "

@@ -169,6 +169,14 @@ class RolloutConfig(Section):
             "KV cache, and wakes for the next rollout: weights, then the sync, then KV cache"
         ),
     ] = False
+    inference_ranks: Annotated[
+        int,
+        _doc(
+            "the last k ranks of a torchrun world each run an engine and a scheduler for the RL "
+            "steps' rollouts and the others train; 0 = every rank does both, in turn",
+            ge=0,
+        ),
+    ] = 0
     chat_template_kwargs: Annotated[
         dict[str, str | int | float | bool],
         _doc(
@@ -190,6 +198,14 @@ class AlgoConfig(Section):
     tis_cap: Annotated[
         float, _doc("truncated importance-sampling cap on pi_old/pi_sampler; 0 = off", ge=0)
     ] = 2.0
+    max_staleness: Annotated[
+        int,
+        _doc(
+            "with rollout.inference_ranks: a step's roots start on weights at most this many "
+            "updates older than those that train them (0 = rollout and training alternate)",
+            ge=0,
+        ),
+    ] = 0
     std_normalize: Annotated[bool, _doc("divide group-centred rewards by the group std")] = True
     drop_uniform_groups: Annotated[
         bool, _doc("drop groups whose rewards are all equal (zero advantage)")

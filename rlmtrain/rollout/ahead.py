@@ -20,12 +20,12 @@ finish).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from rlmtrain.rlm.prompts import RLMEnv
 from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.metrics import RolloutMetrics
 from rlmtrain.rollout.scheduler import Scheduler
 
@@ -33,10 +33,12 @@ __all__ = ["Ahead", "Rolled", "StepRoots"]
 
 
 class StepRoots(NamedTuple):
-    """A step's roots for this engine: its tasks and, per task, the sample indices to run."""
+    """A step's roots for this engine: its tasks and, per task, the sample indices to run,
+    sampled with `sampling` (the step's seed; None: the scheduler's)."""
 
     tasks: Sequence[Any]
     samples: Sequence[Sequence[int]]
+    sampling: SamplingParams | None = None
 
 
 class Rolled(NamedTuple):
@@ -80,7 +82,9 @@ class Ahead:
         self.version = first if version is None else version
         self._next = first
         self._steps = steps
+        self._next_taken = first
         self._rollouts: dict[int, asyncio.Task[Rolled]] = {}
+        self._advanced = asyncio.Event()
 
     def start(self) -> None:
         """Admit what the current version allows (call inside the running loop)."""
@@ -98,13 +102,17 @@ class Ahead:
         return sorted(self._rollouts)
 
     async def take(self, step: int) -> Rolled:
-        """Step `step`'s rollout, once all its trees have ended; it must be admitted (taken in
-        order, each step is admitted by the time the trainer holds its version)."""
-        if step not in self._rollouts:
+        """Step `step`'s rollout, once all its trees have ended; a step not admitted yet is
+        waited for (the trainer's next update admits it). Steps are taken in order."""
+        if not self._next_taken <= step < self._steps:
             raise ValueError(
-                f"step {step} is not out: admitted up to {self._next - 1} under version "
-                f"{self.version} (max_staleness {self.max_staleness})"
+                f"step {step} cannot be taken: the steps left are {self._next_taken} to "
+                f"{self._steps - 1}, in order"
             )
+        while step not in self._rollouts:
+            self._advanced.clear()
+            await self._advanced.wait()
+        self._next_taken = step + 1
         try:
             return await self._rollouts[step]
         finally:
@@ -112,25 +120,30 @@ class Ahead:
 
     async def close(self) -> None:
         """Cancel the steps still out (their trees end "aborted", their REPLs close)."""
-        for task in self._rollouts.values():
-            task.cancel()
-        for task in self._rollouts.values():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.gather(task, return_exceptions=True)
+        out = list(self._rollouts.values())
         self._rollouts.clear()
+        for task in out:
+            task.cancel()
+        await asyncio.gather(*out, return_exceptions=True)
 
     def _admit(self) -> None:
         while self._next < self._steps and self._next - self.max_staleness <= self.version:
             step = self._next
             self._rollouts[step] = asyncio.ensure_future(self._roll(step, self.version))
             self._next += 1
+            self._advanced.set()
 
     async def _roll(self, step: int, version: int) -> Rolled:
         roots = self.plan(step)
         if not roots.tasks:
             return Rolled(step, [], None, version)
         groups = await self.scheduler.rollout(
-            roots.tasks, self.env, self.n_samples, samples=roots.samples, batch=step
+            roots.tasks,
+            self.env,
+            self.n_samples,
+            samples=roots.samples,
+            batch=step,
+            sampling=roots.sampling,
         )
         # Read before any await: the scheduler's metrics are its last finished rollout's.
         return Rolled(step, groups, self.scheduler.metrics, version)

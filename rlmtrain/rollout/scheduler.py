@@ -106,6 +106,7 @@ class _TaskRun:
 
     task: Any
     group: RolloutGroup
+    sampling: SamplingParams
     zygote: ReplHost | None = None
     zygote_ready: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     trees_left: int = 0
@@ -185,7 +186,8 @@ class Scheduler:
         self._requests = PriorityGate(config.max_inflight_requests, "max_inflight_requests")
         self._workers = PriorityGate(config.max_live_workers, "max_live_workers")
         self._live_trees = PriorityGate(config.max_live_trees, "max_live_trees")
-        self._trees: dict[str, _Tree] = {}
+        # By (batch, root id): concurrent rollouts (training steps) may run the same task.
+        self._trees: dict[tuple[int, str], _Tree] = {}
         self._zygotes: set[ReplHost] = set()
         self._order = itertools.count()
 
@@ -199,6 +201,7 @@ class Scheduler:
         samples: Sequence[Sequence[int]] | None = None,
         *,
         batch: int = 0,
+        sampling: SamplingParams | None = None,
     ) -> list[RolloutGroup]:
         """G = n_samples trees per task; one RolloutGroup per task, in task order.
 
@@ -207,7 +210,9 @@ class Scheduler:
         and sampling seeds come from its task and index alone, so it is the same tree on
         whichever engine runs it.
         batch: where this rollout's trees and requests queue among other rollouts running at
-        the same time on this scheduler (lower first)."""
+        the same time on this scheduler (lower first).
+        sampling: this rollout's sampling parameters (its seed: a training step's own); default
+        the scheduler's."""
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
         indices = [list(range(n_samples)) for _ in tasks] if samples is None else samples
@@ -215,7 +220,10 @@ class Scheduler:
             raise ValueError(f"samples: {len(indices)} lists for {len(tasks)} tasks")
         runs = [
             _TaskRun(
-                task=task, group=RolloutGroup(task=task, trajectories=[]), trees_left=len(mine)
+                task=task,
+                group=RolloutGroup(task=task, trajectories=[]),
+                sampling=sampling or self.sampling,
+                trees_left=len(mine),
             )
             for task, mine in zip(tasks, indices, strict=True)
         ]
@@ -253,14 +261,14 @@ class Scheduler:
         return groups
 
     def abort(self, root_id: str) -> bool:
-        """Cancel the tree of `root_id`; False if no such tree is running."""
-        tree = self._trees.get(root_id)
-        if tree is None:
-            return False
-        tree.aborted = True
-        for task in list(tree.tasks):
-            task.cancel()
-        return True
+        """Cancel the tree of `root_id` (in every rollout running it); False if no such tree is
+        running."""
+        trees = [tree for (_, key), tree in self._trees.items() if key == root_id]
+        for tree in trees:
+            tree.aborted = True
+            for task in list(tree.tasks):
+                task.cancel()
+        return bool(trees)
 
     def live(self) -> dict[str, int]:
         """What is running now: trees, trajectory tasks, engine requests (held and queued),
@@ -287,7 +295,7 @@ class Scheduler:
             order=next(self._order),
             deadline=loop.time() + self.config.tree_timeout_s,
         )
-        self._trees[root.id] = tree
+        self._trees[batch, root.id] = tree
         try:
             zygote = await self._zygote(run, env)
             task = self._start(tree, self._run_with_repl(tree, env, zygote, root, context=None))
@@ -301,7 +309,7 @@ class Scheduler:
         except Exception as exc:  # no zygote, or the engine refused a request
             _failed(root, exc)
         finally:
-            del self._trees[root.id]
+            del self._trees[batch, root.id]
             run.trees_left -= 1
             if run.trees_left == 0:
                 await self._close_zygote(run)
@@ -343,7 +351,7 @@ class Scheduler:
             generate=generate,
             tokenizer=self.tokenizer,
             limits=self.limits,
-            sampling=self.sampling,
+            sampling=tree.run.sampling,
             prompt_style=self.config.prompt_style,
         )
 

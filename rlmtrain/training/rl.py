@@ -11,12 +11,9 @@ names.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import random
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,16 +25,15 @@ from rlmtrain.algo import build_samples, compute_advantages
 from rlmtrain.algo.staleness import summarise, token_staleness
 from rlmtrain.config import Config
 from rlmtrain.envs.base import Task
-from rlmtrain.evaluation import spawned
 from rlmtrain.model import Transformer
 from rlmtrain.optim import build_optimizer, lr_at, set_lr
 from rlmtrain.rewards.step_rewards import StepRewarder
-from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rollout import dealing
-from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.scheduler import Scheduler
+from rlmtrain.training.batches import task_batches
 from rlmtrain.training.materialise import sharded_like
 from rlmtrain.training.run import Run, mean_or_nan
+from rlmtrain.training.split import RemoteRollouts, StepRollout, rollout_fields, step_sampling
 from rlmtrain.training.steps import DTYPES, grpo_step, pack_samples
 
 log = logging.getLogger("rlmtrain.train")
@@ -47,7 +43,11 @@ T = TypeVar("T")
 async def rl_phase(run: Run) -> None:
     """GRPO from where the run stands to `train.steps`, then the final evaluation."""
     cfg = run.cfg
+    # A split world's inference ranks roll out every step (`training.split`).
+    remote = RemoteRollouts(run.world, cfg) if run.world.inference_ranks else None
     if not cfg.train.steps:
+        if remote is not None:
+            await remote.start(0, run.model)  # nothing to roll out: they end
         return
     first = run.state.step
     if first == 0:
@@ -57,13 +57,15 @@ async def rl_phase(run: Run) -> None:
         # lowered held-out reward on one seed in three.
         run.optimizer = build_optimizer(run.model, cfg)
     reference = reference_policy(run.cfg, run.model, run.device, run.resume_from, first)
+    if remote is not None:
+        await remote.start(first, run.model)
     picks = task_batches(run.tasks.rl, cfg.train.tasks_per_step, cfg.train.seed)
     for _ in range(first):
         next(picks)
     rewarder = StepRewarder(cfg, run.env)
     try:
         for step in range(first, cfg.train.steps):
-            lr = await rl_step(run, step, next(picks), rewarder, reference)
+            lr = await rl_step(run, step, next(picks), rewarder, reference, remote)
             every = cfg.eval.every
             if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
                 await run.evaluate("rl", cfg.train.sft_steps + step + 1)
@@ -83,46 +85,27 @@ async def rl_step(
     tasks: list[Task],
     rewarder: StepRewarder,
     reference: Transformer | None,
+    remote: RemoteRollouts | None = None,
 ) -> float:
-    """One GRPO step on `tasks` (the whole step's, dealt here over the ranks); its row goes to
-    the run log. Returns the step's learning rate."""
+    """One GRPO step on `tasks` (the whole step's, dealt here over the ranks, or rolled out by
+    the inference ranks of a split world: `remote`); its row goes to the run log. Returns the
+    step's learning rate."""
     cfg, world = run.cfg, run.world
     began = time.perf_counter()
     lr = lr_at(cfg, "rl", step)
     set_lr(run.optimizer, lr)
-    await run.sync()
-    # This rank's share of the step's roots (`rollout.dealing`): every engine rolls out.
-    shares = dealing.deal(len(tasks), cfg.rollout.n_samples, world.size)
-    mine = shares[world.rank]
-    # Each request's seed comes from (this seed, trajectory id, turn): a rerun samples the
-    # same trees whatever order the engine batched them in, on any number of ranks.
-    sampling = SamplingParams(
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        seed=cfg.train.seed * 1_000_003 + step,
-    )
-    scheduler = Scheduler(run.engine, run.tokenizer, cfg.rollout, sampling=sampling)
-    rolled = (
-        await scheduler.rollout(
-            [tasks[task] for task, _ in mine],
-            run.env,
-            cfg.rollout.n_samples,
-            samples=[samples for _, samples in mine],
-        )
-        if mine
-        else []
-    )
+    if remote is None:
+        await run.sync()
+        rolled = await roll_out_here(run, step, tasks)
+        # The weights this step trains: the engine's, synced before the rollout.
+        version = run.engine.stats().weight_version
+    else:
+        waited = time.perf_counter()
+        rolled = await remote.take(step, tasks)
+        rolled.fields["rollout_wait_s"] = time.perf_counter() - waited
+        version = step  # the inference ranks count versions as the updates of this phase
     marks = {"rollout": memory.figures(run.device)}
-    # The weights this step trains: the engine's, synced before the rollout.
-    version = run.engine.stats().weight_version
-    # Each group whole again on the rank that holds its first root, which scores it: only the
-    # parts of groups a share boundary cut travel.
-    parts = [(task, group) for (task, _), group in zip(mine, rolled, strict=True)]
-    scored = [i for i in range(len(tasks)) if dealing.owner(i, shares) == world.rank]
-    sent = parallel.all_gather([(t, g) for t, g in parts if t not in scored])
-    groups = dealing.merge(
-        tasks, scored, [parts if r == world.rank else p for r, p in enumerate(sent)]
-    )
+    groups, scored = rolled.groups, rolled.scored
     batch = [tasks[i] for i in scored]
     rewards = await rewarder(batch, groups, step)
     advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo)
@@ -155,11 +138,7 @@ async def rl_step(
         "groups_kept": kept,
         "groups_dropped_uniform": dropped,
         "roots_unscored": unscored,
-        **rollout_row(scheduler, rolled),
-        # Whether every engine worked this step (an idle one shows as 0).
-        "generated_tokens_per_rank": parallel.all_gather(
-            scheduler.metrics.generated_tokens if scheduler.metrics else 0
-        ),
+        **rolled.fields,
         **rewarder.row(counts[3:].tolist()),
         **staleness.row(),
     }
@@ -173,8 +152,14 @@ async def rl_step(
         row["train_s"] = time.perf_counter() - train_began
         marks["train"] = memory.figures(run.device)
         run.sync.stale()
+    if samples or remote is not None:
         sync_began = time.perf_counter()
-        await run.sync()
+        if remote is None:
+            await run.sync()
+        elif step + 1 < cfg.train.steps:
+            # Every update but the last goes to the inference ranks (one that trained nothing
+            # too): each waits for the version that admits its next step.
+            await remote.send_weights(run.model)
         row["sync_s"] = time.perf_counter() - sync_began
         marks["sync"] = memory.figures(run.device)
     row.update(memory.step_row(marks))
@@ -212,6 +197,36 @@ async def rl_step(
     return lr
 
 
+async def roll_out_here(run: Run, step: int, tasks: list[Task]) -> StepRollout:
+    """The step's roots dealt over the ranks' own engines (`rollout.dealing`: every engine
+    rolls out), each group put back whole on the rank that holds its first root, which scores
+    it: only the parts of groups a share boundary cut travel."""
+    cfg, world = run.cfg, run.world
+    shares = dealing.deal(len(tasks), cfg.rollout.n_samples, world.size)
+    mine = shares[world.rank]
+    scheduler = Scheduler(run.engine, run.tokenizer, cfg.rollout, sampling=step_sampling(cfg, step))
+    rolled = (
+        await scheduler.rollout(
+            [tasks[task] for task, _ in mine],
+            run.env,
+            cfg.rollout.n_samples,
+            samples=[samples for _, samples in mine],
+        )
+        if mine
+        else []
+    )
+    parts = [(task, group) for (task, _), group in zip(mine, rolled, strict=True)]
+    scored = [i for i in range(len(tasks)) if dealing.owner(i, shares) == world.rank]
+    sent = parallel.all_gather([(t, g) for t, g in parts if t not in scored])
+    groups = dealing.merge(
+        tasks, scored, [parts if r == world.rank else p for r, p in enumerate(sent)]
+    )
+    fields = rollout_fields(scheduler.metrics, rolled)
+    # Whether every engine worked this step (an idle one shows as 0).
+    fields["generated_tokens_per_rank"] = parallel.all_gather(fields["generated_tokens"])
+    return StepRollout(groups, scored, fields)
+
+
 def reference_policy(
     cfg: Config, model: Transformer, device: torch.device, resume_from: Path | None, step: int
 ) -> Transformer | None:
@@ -226,33 +241,3 @@ def reference_policy(
         set_model_state_dict(reference, get_model_state_dict(model))
     reference.requires_grad_(False)
     return reference.eval()
-
-
-def rollout_row(scheduler: Scheduler, groups: list[RolloutGroup]) -> dict[str, Any]:
-    m = scheduler.metrics
-    roots = [root for group in groups for root in group.roots]
-    if m is None:  # this rank drew no root this step (fewer roots than ranks)
-        return {"rollout_s": 0.0, "generated_tokens": 0, "finish_reasons": {}, "spawn_rate": 0.0}
-    return {
-        "rollout_s": m.wall_s,
-        "generated_tokens": m.generated_tokens,
-        "engine_tokens_per_s": m.tokens_per_s,
-        "engine_occupancy": m.engine_occupancy,
-        "finish_reasons": m.finish_reasons,
-        "children_per_root": m.children_per_root_mean,
-        "spawn_rate": mean_or_nan(spawned(root) for root in roots),
-    }
-
-
-def task_batches(items: list[T], size: int, seed: int) -> Iterator[list[T]]:
-    """`size` items per step, endlessly: a window sliding over a shuffled order (wrapping at the
-    end), reshuffled every len(items) // size steps by a generator of its own, so the k-th
-    step's tasks depend on the seed alone (a resumed run skips k and is back in place)."""
-    shuffle = random.Random(f"rl/{seed}").shuffle
-    order = list(range(len(items)))
-    per_pass = max(1, len(order) // size)
-    for step in itertools.count():
-        if step % per_pass == 0:
-            shuffle(order)
-        start = (step * size) % len(order)
-        yield [items[order[(start + i) % len(order)]] for i in range(min(size, len(order)))]

@@ -54,11 +54,12 @@ def check_run_rules(cfg: Config, device: torch.device) -> None:
             f"{cfg.parallel.replicate} replicas of equal size"
         )
     roots = cfg.train.tasks_per_step * cfg.rollout.n_samples
-    if cfg.train.steps and roots < parallel.size():
+    engines = cfg.rollout.inference_ranks or parallel.size()
+    if cfg.train.steps and roots < engines:
         raise ConfigError(
             f"train.tasks_per_step: {cfg.train.tasks_per_step} x rollout.n_samples "
-            f"{cfg.rollout.n_samples} = {roots} roots a step leave engines of {parallel.size()} "
-            "ranks idle; raise either to at least the number of ranks"
+            f"{cfg.rollout.n_samples} = {roots} roots a step leave engines of {engines} "
+            "ranks idle; raise either to at least the number of ranks that roll out"
         )
     if cfg.rollout.colocate and device.type != "cuda":
         raise ConfigError(
