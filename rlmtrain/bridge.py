@@ -80,12 +80,18 @@ class Bridge:
         self._broadcast(buffer)
         return obj if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
 
-    def send_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Trainer rank 0: every (name, tensor) to every inference rank, one at a time."""
-        tensors = [(name, t.detach().cpu().contiguous()) for name, t in named]
-        self.broadcast([(name, tuple(t.shape), t.dtype) for name, t in tensors])
-        for _, tensor in tensors:
-            self._broadcast(tensor)
+    def send_weights(
+        self,
+        header: list[tuple[str, tuple[int, ...], torch.dtype]],
+        named: Iterable[tuple[str, torch.Tensor]],
+    ) -> None:
+        """Trainer rank 0: the tensors `header` names, in its order, to every inference rank,
+        one at a time as `named` yields them (a rank holds one whole parameter, not the model)."""
+        self.broadcast(header)
+        for (name, shape, dtype), (sent, tensor) in zip(header, named, strict=True):
+            if sent != name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise ValueError(f"weights: {sent} {tuple(tensor.shape)} where {name} {shape}")
+            self._broadcast(tensor.detach().cpu().contiguous())
 
     def recv_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """An inference rank: the weights trainer rank 0 sends, as (name, tensor) pairs."""

@@ -157,7 +157,25 @@ PREFLIGHT_CASES = [
     (["--model.tokenizer=bpe", "--model.hf_dir=some/folder"], "model.tokenizer"),
     (["--model.tokenizer=byte", "--model.bpe_split_digits=true"], "model.bpe_split_digits"),
     (["--rollout.colocate=true"], "rollout.colocate"),
+    (["--algo.max_staleness=1"], "algo.max_staleness"),
+    (["--algo.max_staleness=1", "--rollout.inference_ranks=1", "--algo.tis_cap=0"],
+     "algo.max_staleness"),
 ]  # fmt: skip
+
+
+def test_inference_ranks_without_a_launched_world_are_refused_in_one_line(tmp_path):
+    """A process not started by torchrun has no ranks to give to rollouts."""
+    result = run_cli(
+        "train", "--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={tmp_path}",
+        "--rollout.inference_ranks=1",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert (
+        "rollout.inference_ranks: 1 inference rank(s) need a world launched by torchrun" in lines[0]
+    )
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("overrides, key", PREFLIGHT_CASES, ids=[k for _, k in PREFLIGHT_CASES])

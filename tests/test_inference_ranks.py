@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from clocks import RUN_HANG_S
-from memorised_run import ROOT, env, kill_when, launch, memorise, rows, run_args, synth_two_tasks
+from memorised_run import ROOT, env, kill_when, launch, rows, run_args
 from safetensors.torch import load_file
 
 from rlmtrain.devices import HAS_VLLM
@@ -31,16 +31,6 @@ pytestmark = pytest.mark.slow
 
 SPLIT = ("--rollout.inference_ranks=1",)
 TASKS_PER_STEP = 2  # run_args's
-
-
-@pytest.fixture(scope="module")
-def two_tasks(tmp_path_factory) -> Path:
-    return synth_two_tasks(tmp_path_factory.mktemp("tasks"))
-
-
-@pytest.fixture(scope="module")
-def memorised(tmp_path_factory, two_tasks) -> tuple[str, ...]:
-    return memorise(tmp_path_factory.mktemp("memorised"), two_tasks)
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:

@@ -41,24 +41,12 @@ from memorised_run import (
     env,
     kill_when,
     launch,
-    memorise,
     rows,
     run_args,
-    synth_two_tasks,
 )
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def two_tasks(tmp_path_factory) -> Path:
-    return synth_two_tasks(tmp_path_factory.mktemp("tasks"))
-
-
-@pytest.fixture(scope="module")
-def memorised(tmp_path_factory, two_tasks) -> tuple[str, ...]:
-    return memorise(tmp_path_factory.mktemp("memorised"), two_tasks)
 
 
 def _state(checkpoint: Path, scratch: Path) -> dict:

@@ -125,9 +125,10 @@ class RemoteRollouts:
     async def send_weights(self, model: torch.nn.Module) -> None:
         """The policy's weights to every inference rank: gathered by all trainers in lockstep,
         sent by rank 0."""
+        header = [(name, tuple(p.shape), p.dtype) for name, p in hf_named(model.named_parameters())]
         named = hf_named(parallel.full_parameters(model))
         if self.bridge is not None:
-            await asyncio.to_thread(self.bridge.send_weights, named)
+            await asyncio.to_thread(self.bridge.send_weights, header, named)
         else:
             for _ in named:
                 pass
