@@ -256,8 +256,8 @@ def test_a_checkpoint_before_the_first_rl_update_resumes(tmp_path, two_tasks):
         cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
-    rl = [r for r in rows(run) if r["phase"] == "rl"]
-    assert [r["groups_kept"] for r in rl] == [0, 0], rl
+    rl_rows = [r for r in rows(run) if r["phase"] == "rl"]
+    assert [r["groups_kept"] for r in rl_rows] == [0, 0], rl_rows
     states = {
         name: json.loads((run / "checkpoints" / name / "trainer.json").read_text())
         for name in ("sft-000001", "rl-000001", "rl-000002")
