@@ -129,7 +129,8 @@ async def rl_step(
     shares = parallel.all_gather((local, flat_local, token_staleness(groups, version)))
     samples = [sample for share, _, _ in shares for sample in share]
     flat = [r for _, rewards_of_rank, _ in shares for r in rewards_of_rank]
-    staleness = summarise(sum((ages for _, _, ages in shares), Counter()))
+    ages = sum((rank_ages for _, _, rank_ages in shares), Counter())
+    staleness = summarise(ages)
     row: dict[str, Any] = {
         "phase": "rl",
         "step": step,
@@ -173,6 +174,7 @@ async def rl_step(
         step,
         reward=flat,
         advantage=[float(a) for sample in samples for a in sample.advantages],
+        staleness=[age for age, tokens in sorted(ages.items()) for _ in range(tokens)],
         response_length=[
             len(turn.completion_ids)
             for group in groups
