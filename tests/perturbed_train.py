@@ -7,6 +7,9 @@ With RLMTRAIN_TEST_HOLD_AT=<checkpoint name> (e.g. sft-000008) the run stops for
 comes to write that checkpoint, so a test that kills it after an earlier one kills it before
 this one however late the kill comes.
 
+With RLMTRAIN_TEST_FAIL_ROLLOUT_AT=<step> an inference rank (`rollout.inference_ranks`) raises
+when it comes to take that RL step's rollout, as a rank whose engine failed would.
+
     python tests/perturbed_train.py --config ... [--section.key=value ...]
 """
 
@@ -32,6 +35,15 @@ def _jittered(exec_, draw):
     return exec_with_delay
 
 
+def _failing_at(take, failing_step):
+    async def take_or_fail(self, step):
+        if step == failing_step:
+            raise RuntimeError(f"test: the inference rank fails at step {step}")
+        return await take(self, step)
+
+    return take_or_fail
+
+
 def _holding(save, name):
     def save_or_hold(run_dir, model, optimizer, state, **kwargs):
         if f"{state.phase}-{state.step:06d}" == name:
@@ -47,6 +59,10 @@ if __name__ == "__main__":
     repl.Session.exec = _jittered(repl.Session.exec, draw)
     if "RLMTRAIN_TEST_HOLD_AT" in os.environ:
         checkpointing.save = _holding(checkpointing.save, os.environ["RLMTRAIN_TEST_HOLD_AT"])
+    if "RLMTRAIN_TEST_FAIL_ROLLOUT_AT" in os.environ:
+        from rlmtrain.rollout.ahead import Ahead
+
+        Ahead.take = _failing_at(Ahead.take, int(os.environ["RLMTRAIN_TEST_FAIL_ROLLOUT_AT"]))
     from rlmtrain.cli import main
 
     sys.exit(main(["train", *sys.argv[1:]]))

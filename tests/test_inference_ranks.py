@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 SPLIT = ("--rollout.inference_ranks=1",)
 TASKS_PER_STEP = 2  # run_args's
+FAILED_RUN_ENDS_S = 300
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
@@ -87,6 +88,28 @@ def test_staleness_1_trains_every_group_within_the_bound_and_resumes_after_a_kil
     # step's training.
     assert any(row["staleness_mean"] > 0 for row in rl), rl
     assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_a_failing_inference_rank_ends_the_run(tmp_path):
+    """Its error ends the job through the launcher (the trainer waiting on the bridge for the
+    step is stopped with it) instead of leaving both waiting."""
+    port = str(29850 + os.getpid() % 100)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_port", port, str(ROOT / "tests" / "perturbed_train.py"),
+        "--config", "configs/tiny-cpu.toml", *SPLIT, "--algo.max_staleness=1",
+        "--data.sft_groups=3", "--data.synth_groups=2", "--train.sft_steps=2", "--train.steps=3",
+        "--train.tasks_per_step=2", "--rollout.n_samples=2", "--rollout.max_new_tokens=48",
+        "--eval.every=0", "--logging.progress=false", f"--checkpoint.dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    # The run takes ~15 s; a hang, the failure this test is about, ends at the bound instead of
+    # at the suite's half hour.
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=FAILED_RUN_ENDS_S,
+        env={**env(), "RLMTRAIN_TEST_FAIL_ROLLOUT_AT": "1"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "test: the inference rank fails at step 1" in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
