@@ -49,6 +49,7 @@ from rlmtrain.rollout.engines import build_engine
 from rlmtrain.rollout.metrics import RolloutMetrics
 from rlmtrain.rollout.scheduler import Scheduler
 from rlmtrain.training.batches import task_batches
+from rlmtrain.training.steps import DTYPES
 
 log = logging.getLogger("rlmtrain.train")
 
@@ -123,10 +124,12 @@ class RemoteRollouts:
             await self.send_weights(model)
 
     async def send_weights(self, model: torch.nn.Module) -> None:
-        """The policy's weights to every inference rank: gathered by all trainers in lockstep,
-        sent by rank 0."""
-        header = [(name, tuple(p.shape), p.dtype) for name, p in hf_named(model.named_parameters())]
-        named = hf_named(parallel.full_parameters(model))
+        """The policy's weights to every inference rank, in `model.dtype` (what the engines
+        compute in: bf16 halves the bytes of the fp32 masters): gathered by all trainers in
+        lockstep, sent by rank 0."""
+        dtype = DTYPES[self.cfg.model.dtype]
+        header = [(name, tuple(p.shape), dtype) for name, p in hf_named(model.named_parameters())]
+        named = ((name, t.to(dtype)) for name, t in hf_named(parallel.full_parameters(model)))
         if self.bridge is not None:
             await asyncio.to_thread(self.bridge.send_weights, header, named)
         else:
