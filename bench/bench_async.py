@@ -43,7 +43,17 @@ import time
 from typing import Any
 
 import uvloop
-from bench_scheduler import MAX_BATCH, TOKENIZER, A, B, BenchEnv, C, TimedSimEngine, system_tokens
+from bench_scheduler import (
+    MAX_BATCH,
+    TOKENIZER,
+    A,
+    B,
+    BenchEnv,
+    C,
+    SimRepl,
+    TimedSimEngine,
+    system_tokens,
+)
 from default_trees import load
 
 from rlmtrain.config import RolloutConfig
@@ -132,27 +142,10 @@ def reply(plan: Plan, turn: int) -> list[int]:
     return TOKENIZER.encode(head + "x" * pad + tail)
 
 
-class ReplayRepl:
+class ReplayRepl(SimRepl):
     """A REPL host whose exec replays the plan: the recorded REPL time, children, output."""
 
-    def __init__(self, plans: dict[str, Plan]) -> None:
-        self.plans = plans
-        self.live = 0
-
-    async def session(self, *, context: Any | None = None) -> ReplayRepl.Session:
-        self.live += 1
-        return ReplayRepl.Session(self)
-
-    def live_workers(self) -> int:
-        return self.live
-
-    async def close(self) -> None:
-        return None
-
-    class Session:
-        def __init__(self, host: ReplayRepl) -> None:
-            self.host = host
-
+    class Session(SimRepl.Session):
         async def exec(self, code: str, on_query: Any = None) -> ExecResult:
             step = re.match(r"step\('(.*?)', (\d+)\)", code)
             if step is None:  # the agent's own setup (the query bound into the session)
@@ -164,9 +157,6 @@ class ReplayRepl:
                 await on_query(prompts, [None] * len(prompts))
             final = "answer" if turn == len(plan.turns) - 1 else None
             return ExecResult(output="o" * plan.turns[turn][1], error="", final=final, dead=False)
-
-        async def close(self) -> None:
-            self.host.live -= 1
 
 
 class SyncingSimEngine(TimedSimEngine):

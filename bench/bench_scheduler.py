@@ -129,7 +129,7 @@ class SimRepl:
 
     async def session(self, *, context: Any | None = None) -> SimRepl.Session:
         self.live += 1
-        return SimRepl.Session(self)
+        return self.Session(self)
 
     def live_workers(self) -> int:
         return self.live

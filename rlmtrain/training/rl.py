@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -37,7 +37,6 @@ from rlmtrain.training.split import RemoteRollouts, StepRollout, rollout_fields,
 from rlmtrain.training.steps import DTYPES, grpo_step, pack_samples
 
 log = logging.getLogger("rlmtrain.train")
-T = TypeVar("T")
 
 
 async def rl_phase(run: Run) -> None:

@@ -49,6 +49,7 @@ from rlmtrain.rollout.engines import build_engine
 from rlmtrain.rollout.metrics import RolloutMetrics
 from rlmtrain.rollout.scheduler import Scheduler
 from rlmtrain.training.batches import task_batches
+from rlmtrain.training.run import mean_or_nan
 from rlmtrain.training.steps import DTYPES
 
 log = logging.getLogger("rlmtrain.train")
@@ -99,7 +100,7 @@ def rollout_fields(metrics: RolloutMetrics | None, groups: list[RolloutGroup]) -
         "engine_occupancy": metrics.engine_occupancy,
         "finish_reasons": metrics.finish_reasons,
         "children_per_root": metrics.children_per_root_mean,
-        "spawn_rate": _mean(spawned(root) for root in roots),
+        "spawn_rate": mean_or_nan(spawned(root) for root in roots),
     }
 
 
@@ -127,14 +128,15 @@ class RemoteRollouts:
         """The policy's weights to every inference rank, in `model.dtype` (what the engines
         compute in: bf16 halves the bytes of the fp32 masters): gathered by all trainers in
         lockstep, sent by rank 0."""
+        gathered = hf_named(parallel.full_parameters(model))
+        if self.bridge is None:
+            for _ in gathered:  # this rank's part of each gather
+                pass
+            return
         dtype = DTYPES[self.cfg.model.dtype]
         header = [(name, tuple(p.shape), dtype) for name, p in hf_named(model.named_parameters())]
-        named = ((name, t.to(dtype)) for name, t in hf_named(parallel.full_parameters(model)))
-        if self.bridge is not None:
-            await asyncio.to_thread(self.bridge.send_weights, header, named)
-        else:
-            for _ in named:
-                pass
+        named = ((name, tensor.to(dtype)) for name, tensor in gathered)
+        await asyncio.to_thread(self.bridge.send_weights, header, named)
 
     async def take(self, step: int, tasks: list[Task]) -> StepRollout:
         """Step `step`'s groups, whole, dealt over the trainers; waits for the slowest engine."""
@@ -170,10 +172,10 @@ def merged_fields(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "generated_tokens": sum(row["generated_tokens"] for row in rows),
         "generated_tokens_per_rank": [row["generated_tokens"] for row in rows],
         "engine_tokens_per_s": sum(row.get("engine_tokens_per_s", 0.0) for row in rows),
-        "engine_occupancy": _mean(row["engine_occupancy"] for row in busy),
+        "engine_occupancy": mean_or_nan(row["engine_occupancy"] for row in busy),
         "finish_reasons": dict(reasons),
-        "children_per_root": _mean(row["children_per_root"] for row in busy),
-        "spawn_rate": _mean(row["spawn_rate"] for row in busy),
+        "children_per_root": mean_or_nan(row["children_per_root"] for row in busy),
+        "spawn_rate": mean_or_nan(row["spawn_rate"] for row in busy),
     }
 
 
@@ -272,8 +274,3 @@ def _renumber(rolled: Rolled, shift: int) -> None:
         for trajectory in group.trajectories:
             for turn in trajectory.turns:
                 turn.weight_versions = [v + shift for v in turn.weight_versions]
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values) if values else float("nan")
