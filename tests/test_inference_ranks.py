@@ -4,7 +4,7 @@ whose RL steps score unevenly and train:
 
 - with `algo.max_staleness = 0` the two alternate, and the weights after three RL steps are the
   one-process colocated run's: the inference rank samples the same seeded trees from the same
-  weights, sent over the bridge;
+  weights, sent over the bridge; so do two inference ranks sharing each step's roots by load;
 - with `algo.max_staleness = 1` the next step rolls out while the trainer trains: every step
   trains all its groups, whole, with tokens at most one update stale, and some are; SIGKILLed
   as a whole job after its second RL checkpoint and resumed, the run goes on to its end, the
@@ -47,23 +47,30 @@ def _rl(run: Path) -> list[dict]:
 
 
 def test_staleness_0_trains_the_colocated_run_s_weights(tmp_path, two_tasks, memorised):
-    colocated, split = tmp_path / "colocated", tmp_path / "split"
+    colocated = tmp_path / "colocated"
     steps = ("--train.steps=3", "--checkpoint.every=0")
     _run([*launch(1, False), *run_args(colocated, two_tasks, *memorised, *steps)])
-    result = _run([*launch(2, False), *run_args(split, two_tasks, *memorised, *steps, *SPLIT)])
-    assert "on 1 x cpu" in result.stderr  # one trainer
     # The premise: GRPO updates, read through TIS.
     assert sum(row["groups_kept"] > 0 for row in _rl(colocated)) >= 2, _rl(colocated)
-    assert [row["staleness_max"] for row in _rl(split)] == [0, 0, 0]
-    keys = ("step", "groups_kept", "reward_mean", "generated_tokens")
-    assert [[r[k] for k in keys] for r in _rl(split)] == [
-        [r[k] for k in keys] for r in _rl(colocated)
-    ]
     a = load_file(colocated / "final" / "model.safetensors")
-    b = load_file(split / "final" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name, tensor in a.items():
-        torch.testing.assert_close(b[name], tensor, rtol=0, atol=1e-5, msg=name)
+    # One inference rank, then two sharing each step's roots by load (the trees and their
+    # order in each group are the same whichever rank ran them).
+    for inference in (1, 2):
+        split = tmp_path / f"split{inference}"
+        args = (*memorised, *steps, f"--rollout.inference_ranks={inference}")
+        result = _run([*launch(1 + inference, False), *run_args(split, two_tasks, *args)])
+        assert "on 1 x cpu" in result.stderr  # one trainer
+        assert [row["staleness_max"] for row in _rl(split)] == [0, 0, 0]
+        keys = ("step", "groups_kept", "reward_mean", "generated_tokens")
+        assert [[r[k] for k in keys] for r in _rl(split)] == [
+            [r[k] for k in keys] for r in _rl(colocated)
+        ]
+        # Every inference rank rolled out a share of every step.
+        assert all(min(row["generated_tokens_per_rank"]) > 0 for row in _rl(split)), _rl(split)
+        b = load_file(split / "final" / "model.safetensors")
+        assert a.keys() == b.keys()
+        for name, tensor in a.items():
+            torch.testing.assert_close(b[name], tensor, rtol=0, atol=1e-5, msg=name)
 
 
 def test_staleness_1_trains_every_group_within_the_bound_and_resumes_after_a_kill(

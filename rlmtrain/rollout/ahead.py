@@ -34,11 +34,16 @@ __all__ = ["Ahead", "Rolled", "StepRoots"]
 
 class StepRoots(NamedTuple):
     """A step's roots for this engine: its tasks and, per task, the sample indices to run,
-    sampled with `sampling` (the step's seed; None: the scheduler's)."""
+    sampled with `sampling` (the step's seed; None: the scheduler's). With `claim`, the roots
+    are the step's whole task-major list shared with other engines, each taken by whichever
+    has room, at most `window` running here at once (`Scheduler.rollout`'s claim and window),
+    and `samples` is None."""
 
     tasks: Sequence[Any]
-    samples: Sequence[Sequence[int]]
+    samples: Sequence[Sequence[int]] | None
     sampling: SamplingParams | None = None
+    claim: Callable[[], int | None] | None = None
+    window: int | None = None
 
 
 class Rolled(NamedTuple):
@@ -144,6 +149,8 @@ class Ahead:
             samples=roots.samples,
             batch=step,
             sampling=roots.sampling,
+            claim=roots.claim,
+            window=roots.window,
         )
         # Read before any await: the scheduler's metrics are its last finished rollout's.
         return Rolled(step, groups, self.scheduler.metrics, version)

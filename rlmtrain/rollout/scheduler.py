@@ -202,6 +202,8 @@ class Scheduler:
         *,
         batch: int = 0,
         sampling: SamplingParams | None = None,
+        claim: Callable[[], int | None] | None = None,
+        window: int | None = None,
     ) -> list[RolloutGroup]:
         """G = n_samples trees per task; one RolloutGroup per task, in task order.
 
@@ -212,10 +214,22 @@ class Scheduler:
         batch: where this rollout's trees and requests queue among other rollouts running at
         the same time on this scheduler (lower first).
         sampling: this rollout's sampling parameters (its seed: a training step's own); default
-        the scheduler's."""
+        the scheduler's.
+        claim: instead of `samples`, roots taken while this scheduler has room for another tree:
+        each call returns the next root of the task-major list (task i's sample j is
+        i * n_samples + j) that no engine has taken yet, or None once none is left. Engines that
+        share one `claim` share the roots by load: the one whose trees end sooner takes more. A
+        task none of whose roots came here is an empty group.
+        window: with `claim`, the most claimed trees this rollout runs at once (default and at
+        most `max_live_trees`): what keeps one engine from taking a whole step that fits it
+        before the others have started."""
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        if claim is not None and samples is not None:
+            raise ValueError("rollout: give the roots as samples or as claim, not both")
         indices = [list(range(n_samples)) for _ in tasks] if samples is None else samples
+        if claim is not None:
+            indices = [[] for _ in tasks]  # the claimed roots are counted as they come
         if len(indices) != len(tasks):
             raise ValueError(f"samples: {len(indices)} lists for {len(tasks)} tasks")
         runs = [
@@ -239,8 +253,28 @@ class Scheduler:
                 await self._run_tree(run, env, sample_idx, batch)
                 latencies.append(time.perf_counter() - admitted)
 
+        async def claimed_trees(feeder: int) -> None:
+            # A root is claimed only once a tree slot is held: an engine takes no more roots
+            # than it can start now.
+            while True:
+                async with self._live_trees.slot((batch, feeder)):
+                    index = claim()
+                    if index is None:
+                        return
+                    task, sample_idx = divmod(index, n_samples)
+                    if not 0 <= task < len(runs):
+                        raise ValueError(f"claim gave root {index}; there are {len(runs)} tasks")
+                    runs[task].trees_left += 1
+                    admitted = time.perf_counter()
+                    await self._run_tree(runs[task], env, sample_idx, batch)
+                    latencies.append(time.perf_counter() - admitted)
+
         try:
             async with asyncio.TaskGroup() as group:
+                if claim is not None:
+                    feeders = min(window or self.config.max_live_trees, self.config.max_live_trees)
+                    for feeder in range(feeders):
+                        group.create_task(claimed_trees(feeder))
                 roots = ((run, i) for run, mine in zip(runs, indices, strict=True) for i in mine)
                 for order, (run, sample_idx) in enumerate(roots):
                     group.create_task(one_tree(run, sample_idx, order))

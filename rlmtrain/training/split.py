@@ -6,14 +6,18 @@ RL begins, trainer rank 0 broadcasts a `Hello` (the run's config as the trainers
 its tokenizer and data already in the run folder, and the steps to go) and the policy's
 weights. Each inference rank then builds the env, the RL task set, the tokenizer and an engine
 (weights arriving, never loaded), and rolls out its share of every step from the first on
-(`rollout.ahead`: the step's roots dealt over the inference ranks as `rollout.dealing` deals
-them, each step admitted within `algo.max_staleness` updates of the weights that will train
-it), sending each step's groups to trainer rank 0 in step order. After every update but the
+(`rollout.ahead`: each step admitted within `algo.max_staleness` updates of the weights that
+will train it), sending each step's groups to trainer rank 0 in step order. A step's roots go by
+load: each inference rank takes the step's next root from a counter in the launch's store
+whenever it has room for another tree (`RootClaims`; at most an equal share at once), so an
+engine whose trees end sooner takes more of them, and a root is the same tree on whichever
+engine runs it. After every update but the
 last the trainers gather the weights and trainer rank 0 broadcasts them; each inference rank
 puts them into its engine between two engine steps and admits what the new version allows.
 
-Trainer rank 0 takes a step's groups from every inference rank, puts them back whole and hands
-every trainer the groups it scores (the groups dealt over the trainers as a step's roots are);
+Trainer rank 0 takes a step's groups from every inference rank, puts them back whole (each
+group's trajectories in one order, root by root, whichever ranks ran them) and hands every
+trainer the groups it scores (the groups dealt over the trainers as a step's roots are);
 from there the step is the colocated loop's. Versions: every token carries the version of the
 weights that sampled it, counted as the trainer counts its updates from the phase's start, so
 a step's staleness is its number less its tokens' versions.
@@ -29,10 +33,12 @@ import asyncio
 import itertools
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from rlmtrain import parallel
 from rlmtrain.bridge import Bridge
@@ -41,7 +47,7 @@ from rlmtrain.envs.base import Task, get_env
 from rlmtrain.evaluation import spawned
 from rlmtrain.model.hf import hf_named
 from rlmtrain.model.tokenizer import load_tokenizer, with_chat_template_kwargs
-from rlmtrain.rlm.records import RolloutGroup
+from rlmtrain.rlm.records import RolloutGroup, Trajectory
 from rlmtrain.rollout import dealing
 from rlmtrain.rollout.ahead import Ahead, Rolled, StepRoots
 from rlmtrain.rollout.engine import SamplingParams
@@ -91,7 +97,7 @@ def step_sampling(cfg: Config, step: int) -> SamplingParams:
 def rollout_fields(metrics: RolloutMetrics | None, groups: list[RolloutGroup]) -> dict[str, Any]:
     """One engine's rollout figures for a step's row."""
     roots = [root for group in groups for root in group.roots]
-    if metrics is None:  # this engine drew no root this step (fewer roots than engines)
+    if metrics is None or not roots:  # this engine drew no root this step
         return {"rollout_s": 0.0, "generated_tokens": 0, "finish_reasons": {}, "spawn_rate": 0.0}
     return {
         "rollout_s": metrics.wall_s,
@@ -144,7 +150,7 @@ class RemoteRollouts:
         if self.bridge is not None:
             everyone = await asyncio.to_thread(self._receive, step)
         parts, fields = parallel.broadcast(everyone)
-        groups = dealing.merge(tasks, range(len(tasks)), parts)
+        groups = [in_tree_order(group) for group in dealing.merge(tasks, range(len(tasks)), parts)]
         shares = dealing.deal(len(tasks), self.cfg.rollout.n_samples, self.world.size)
         scored = [i for i in range(len(tasks)) if dealing.owner(i, shares) == self.world.rank]
         return StepRollout([groups[i] for i in scored], scored, fields)
@@ -158,6 +164,35 @@ class RemoteRollouts:
             parts.append(part)
             rows.append(row)
         return parts, merged_fields(rows)
+
+
+def in_tree_order(group: RolloutGroup) -> RolloutGroup:
+    """`group` with its trajectories root by root, each tree in preorder: the same order
+    whichever inference ranks ran its roots (ids are `task#root.child.grandchild...`)."""
+
+    def place(trajectory: Trajectory) -> tuple[int, ...]:
+        return tuple(int(part) for part in trajectory.id.rsplit("#", 1)[1].split("."))
+
+    return RolloutGroup(task=group.task, trajectories=sorted(group.trajectories, key=place))
+
+
+class RootClaims:
+    """The roots of each step taken one at a time by the inference ranks that have room: one
+    counter per step in the launch's store, which every inference rank adds to (`store.add` is
+    atomic), so each root goes to exactly one rank."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = dist.PrefixStore("claims/", store)
+
+    def of_step(self, step: int, roots: int) -> Callable[[], int | None]:
+        """Step `step`'s claim: the index of a root no rank has taken, or None."""
+        key = str(step)
+
+        def claim() -> int | None:
+            index = self.store.add(key, 1) - 1
+            return index if index < roots else None
+
+        return claim
 
 
 def merged_fields(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -199,17 +234,16 @@ async def serve_rollouts(world: parallel.World, device: torch.device) -> int:
         itertools.islice(task_batches(tasks, cfg.train.tasks_per_step, cfg.train.seed), steps)
     )
     n_samples = cfg.rollout.n_samples
-
-    def mine(step: int) -> list[tuple[int, list[int]]]:
-        return dealing.deal(len(batches[step]), n_samples, world.size)[world.rank]
+    claims = RootClaims(parallel.launch_store())
 
     def plan(step: int) -> StepRoots:
-        share = mine(step)
-        return StepRoots(
-            [batches[step][task] for task, _ in share],
-            [samples for _, samples in share],
-            step_sampling(cfg, step),
-        )
+        tasks = batches[step]
+        roots = len(tasks) * n_samples
+        # An equal share at most at once: where a step fits one engine, the first rank to start
+        # would otherwise take all of it; the roots past the shares go to the ranks that free
+        # room first.
+        window = -(-roots // world.size)
+        return StepRoots(tasks, None, step_sampling(cfg, step), claims.of_step(step, roots), window)
 
     engine = build_engine(cfg, tokenizer, device=device, weights="sync")
     ahead: Ahead | None = None
@@ -235,8 +269,7 @@ async def serve_rollouts(world: parallel.World, device: torch.device) -> int:
                 rolled = await _first_of(ahead.take(step), updates)
                 _renumber(rolled, first - base)
                 share = [
-                    (task, group)
-                    for (task, _), group in zip(mine(step), rolled.groups, strict=True)
+                    (task, group) for task, group in enumerate(rolled.groups) if group.trajectories
                 ]
                 row = rollout_fields(rolled.metrics, rolled.groups)
                 await asyncio.to_thread(bridge.send, (step, share, row), 0)
