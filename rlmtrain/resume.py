@@ -36,7 +36,9 @@ SCHEDULE_KEYS = (
 )
 """Config keys the LR schedule, the exploration bonus's cosine schedule and the tool credit's
 alpha are functions of. Every checkpoint records them; a resume under other values is refused,
-since it would not continue the run's schedules but switch to others midway."""
+since it would not continue the run's schedules but switch to others midway. `train.steps` is
+the exception where nothing depends on it (`_rl_length_free`): a finished run then goes on for
+more RL steps when they are asked for."""
 
 
 def schedules(cfg: Config) -> dict[str, float | int | str]:
@@ -47,13 +49,22 @@ def schedules(cfg: Config) -> dict[str, float | int | str]:
     return values
 
 
+def _rl_length_free(values: dict[str, float | int | str]) -> bool:
+    """Whether nothing the RL phase does depends on its length: a constant LR (a warm-up
+    counts steps from the start, not to the end) and no exploration bonus, whose weight decays
+    over `train.steps`. A run may then be resumed with more or fewer RL steps."""
+    schedule = values["train.lr_schedule"]
+    return schedule == "constant" and not values["algo.exploration_beta"]
+
+
 def _check_schedules(
     checkpoint: Path, recorded: dict[str, float | int | str], wanted: dict[str, float | int | str]
 ) -> None:
+    free = {"train.steps"} if _rl_length_free(wanted) else set()
     changed = [
         f"{key}={recorded[key]!r} (the config says {wanted[key]!r})"
         for key in SCHEDULE_KEYS
-        if key in recorded and recorded[key] != wanted[key]
+        if key in recorded and recorded[key] != wanted[key] and key not in free
     ]
     if changed:
         raise CheckpointError(

@@ -198,6 +198,32 @@ def test_a_resume_under_other_schedules_is_refused_in_one_line(tmp_path, two_tas
     assert str(checkpoint) in lines[0] and "algo.exploration_beta=0.0" in lines[0], lines[0]
 
 
+def test_a_finished_run_goes_on_for_the_rl_steps_asked_for(tmp_path, two_tasks, one_step_run):
+    # Its RL rate is constant and it has no exploration bonus: nothing depends on train.steps.
+    run = _one_checkpoint(tmp_path, one_step_run)
+    result = subprocess.run(
+        [
+            *launch(1, False),
+            *run_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=2"),
+            "--checkpoint.resume=true",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr and "sft-000001" in result.stderr
+    steps = [row["step"] for row in rows(run) if row["phase"] == "rl"]
+    assert steps == [0, 1]
+
+
+def test_more_rl_steps_are_refused_where_the_bonus_decays_over_them(tmp_path, two_tasks):
+    run = tmp_path / "run"
+    bonus = "--algo.exploration_beta=0.5"
+    first = _train(run, two_tasks, bonus)
+    assert first.returncode == 0, first.stderr[-3000:]
+    line = _refusal(_train(run, two_tasks, bonus, "--train.steps=2", "--checkpoint.resume=true"))
+    assert "train.steps=0 (the config says 2)" in line, line
+
+
 def _refusal(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
