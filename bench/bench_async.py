@@ -24,6 +24,13 @@ Four schedules of the same steps:
   in flight, admitting a new group whenever one ends; the trainer takes groups in the order they
   end and drops any admitted more than η updates before the weights it trains.
 
+Dealing: the step's roots in equal shares (`rollout.dealing`), or by load as a split world's
+inference ranks take them (each engine claims the next root whenever it has room for another
+tree, at most an equal share at once: `Scheduler.rollout(claim=, window=)`). Where every root
+of a step runs at once the two are the same; the comparison holds each engine to 8 trees at a
+time (`rollout.max_live_trees`), synchronous, at 4 + 4, with the four engines alike and with one
+of them at half speed (a slower card, or one shared with other work).
+
 Reported per schedule: steps per hour, the engines' and the trainer's idle fractions, the mean
 and maximum staleness of trained tokens, groups dropped, and the share of trained tokens that
 come from trees with children against that share in the recorded trees (the bias a scheme that
@@ -37,11 +44,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import random
 import re
 import time
 from typing import Any
 
+import msgspec
 import uvloop
 from bench_scheduler import (
     MAX_BATCH,
@@ -67,6 +76,7 @@ from rlmtrain.rollout.ahead import Ahead, StepRoots
 from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.engines.sim import LatencyModel
 from rlmtrain.rollout.scheduler import Scheduler
+from rlmtrain.training.split import in_tree_order
 
 TASKS, G, STEPS = 12, 8, 8
 TRAIN_TOKENS_PER_S_PER_RANK = 12_000
@@ -167,9 +177,13 @@ class SyncingSimEngine(TimedSimEngine):
 
 
 class Cluster:
-    """k simulated engines, each with its scheduler, over the plans of `steps` steps."""
+    """k simulated engines, each with its scheduler, over the plans of `steps` steps;
+    `live_trees`: each scheduler's `max_live_trees` (default CONFIG's, room for every root);
+    `slow`: the first engine's step time is this many times the others'."""
 
-    def __init__(self, engines: int, steps: int = STEPS) -> None:
+    def __init__(
+        self, engines: int, steps: int = STEPS, live_trees: int | None = None, slow: float = 1.0
+    ) -> None:
         self.plans: dict[str, Plan] = {}
         for step in range(steps):
             self.plans.update(step_plans(step))
@@ -190,15 +204,18 @@ class Cluster:
             SyncingSimEngine(
                 script=lambda prompt, params: reply(*self.by_seed[params.seed]),
                 eos_id=TOKENIZER.eos_id,
-                latency=LatencyModel(a=A, b=B, c=C, cached_prefix_tokens=prefix),
+                latency=LatencyModel(a=A * k, b=B * k, c=C * k, cached_prefix_tokens=prefix),
                 max_batch_size=MAX_BATCH,
                 kv_budget_tokens=1 << 30,
                 decode=TOKENIZER.decode,
             )
-            for _ in range(engines)
+            for k in [slow] + [1.0] * (engines - 1)
         ]
+        config = CONFIG
+        if live_trees is not None:
+            config = msgspec.structs.replace(CONFIG, max_live_trees=live_trees)
         self.schedulers = [
-            Scheduler(e, TOKENIZER, CONFIG, sampling=SAMPLING, start_zygote=start_zygote)
+            Scheduler(e, TOKENIZER, config, sampling=SAMPLING, start_zygote=start_zygote)
             for e in self.engines
         ]
 
@@ -260,17 +277,39 @@ class Tally:
         return seconds
 
 
-async def run_ahead(inference: int, trainers: int, max_staleness: int) -> dict[str, Any]:
-    cluster = Cluster(inference)
+async def run_ahead(
+    inference: int,
+    trainers: int,
+    max_staleness: int,
+    *,
+    by_load: bool = False,
+    live_trees: int | None = None,
+    slow: float = 1.0,
+) -> dict[str, Any]:
+    cluster = Cluster(inference, live_trees=live_trees, slow=slow)
     shares_of = [dealing.deal(TASKS, G, inference) for _ in range(STEPS)]
+    claimed = [itertools.count() for _ in range(STEPS)]
 
     def plan_for(rank: int):
         def plan(step: int) -> StepRoots:
-            mine = shares_of[step][rank]
             tasks = step_tasks(step)
+            if by_load:
+                roots = TASKS * G
+
+                def claim() -> int | None:
+                    index = next(claimed[step])
+                    return index if index < roots else None
+
+                return StepRoots(tasks, None, None, claim, -(-roots // inference))
+            mine = shares_of[step][rank]
             return StepRoots([tasks[t] for t, _ in mine], [s for _, s in mine])
 
         return plan
+
+    def parts(step: int, rank: int, groups: list[RolloutGroup]) -> list[tuple[int, RolloutGroup]]:
+        if by_load:
+            return [(t, g) for t, g in enumerate(groups) if g.trajectories]
+        return [(t, g) for (t, _), g in zip(shares_of[step][rank], groups, strict=True)]
 
     aheads = [
         Ahead(s, BenchEnv(), G, plan_for(r), first=0, steps=STEPS, max_staleness=max_staleness)
@@ -285,9 +324,9 @@ async def run_ahead(inference: int, trainers: int, max_staleness: int) -> dict[s
         groups = dealing.merge(
             step_tasks(step),
             list(range(TASKS)),
-            [[(t, g) for (t, _), g in zip(shares_of[step][r], rolled[r].groups, strict=True)]
-             for r in range(inference)],
-        )  # fmt: skip
+            [parts(step, r, rolled[r].groups) for r in range(inference)],
+        )
+        groups = [in_tree_order(group) for group in groups]
         tally.rolled += groups
         await asyncio.sleep(tally.train(groups, step, trainers))
         await cluster.sync_weights()
@@ -386,7 +425,14 @@ async def compare() -> dict[str, dict[str, Any]]:
         results[f"{split} eta=1"] = await run_ahead(inference, trainers, 1)
         results[f"{split} eta=2"] = await run_ahead(inference, trainers, 2)
         results[f"{split} drop-stale eta=1"] = await run_drop_stale(inference, trainers, 1)
+    for slow in (1.0, 2.0):
+        for by_load in (False, True):
+            name = f"4+4 sync 8 trees{' 1 slow' if slow > 1 else ''} {DEALS[by_load]}"
+            results[name] = await run_ahead(4, 4, 0, by_load=by_load, live_trees=8, slow=slow)
     return results
+
+
+DEALS = {False: "equal", True: "by load"}
 
 
 def test_async_schedules(benchmark) -> None:
@@ -413,4 +459,14 @@ def test_async_schedules(benchmark) -> None:
         )
         print(f"{split}: eta=1 / sync = {speedup:.2f}x steps per hour")
         benchmark.extra_info[f"{split}_eta1_speedup"] = speedup
+    for engines, label in (("", "alike"), (" 1 slow", "one at half speed")):
+        by_load = (
+            results[f"4+4 sync 8 trees{engines} by load"]["steps_per_hour"]
+            / results[f"4+4 sync 8 trees{engines} equal"]["steps_per_hour"]
+        )
+        print(
+            f"4+4 sync, 8 trees an engine, engines {label}: by load / equal shares = "
+            f"{by_load:.2f}x steps per hour"
+        )
+        benchmark.extra_info[f"4+4_sync_8_trees{engines.replace(' ', '_')}_by_load"] = by_load
     benchmark.extra_info["schedules"] = results
