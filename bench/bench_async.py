@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import random
 import re
 import time
 from typing import Any
 
 import msgspec
+import torch.distributed as dist
 import uvloop
 from bench_scheduler import (
     MAX_BATCH,
@@ -76,7 +76,7 @@ from rlmtrain.rollout.ahead import Ahead, StepRoots
 from rlmtrain.rollout.engine import SamplingParams
 from rlmtrain.rollout.engines.sim import LatencyModel
 from rlmtrain.rollout.scheduler import Scheduler
-from rlmtrain.training.split import in_tree_order
+from rlmtrain.training.split import RootClaims, in_tree_order
 
 TASKS, G, STEPS = 12, 8, 8
 TRAIN_TOKENS_PER_S_PER_RANK = 12_000
@@ -288,18 +288,14 @@ async def run_ahead(
 ) -> dict[str, Any]:
     cluster = Cluster(inference, live_trees=live_trees, slow=slow)
     shares_of = [dealing.deal(TASKS, G, inference) for _ in range(STEPS)]
-    claimed = [itertools.count() for _ in range(STEPS)]
+    claims = RootClaims(dist.HashStore())  # the split world's, on an in-process store
 
     def plan_for(rank: int):
         def plan(step: int) -> StepRoots:
             tasks = step_tasks(step)
             if by_load:
                 roots = TASKS * G
-
-                def claim() -> int | None:
-                    index = next(claimed[step])
-                    return index if index < roots else None
-
+                claim = claims.of_step(step, roots)
                 return StepRoots(tasks, None, None, claim, -(-roots // inference))
             mine = shares_of[step][rank]
             return StepRoots([tasks[t] for t, _ in mine], [s for _, s in mine])

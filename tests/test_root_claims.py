@@ -6,10 +6,10 @@ exactly once between them, the faster engine taking more, and the groups put bac
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import clocks
 import pytest
+import torch.distributed as dist
 from leaks import leak_checked_tempfile_root
 from scheduler_harness import make
 from scripted_model import DocEnv, check_links, code
@@ -17,7 +17,7 @@ from scripted_model import DocEnv, check_links, code
 from rlmtrain.envs.base import Task
 from rlmtrain.rollout import dealing
 from rlmtrain.rollout.engines.sim import LatencyModel
-from rlmtrain.training.split import in_tree_order
+from rlmtrain.training.split import RootClaims, in_tree_order
 
 G = 4
 TASKS = [Task(id=f"t{i}", query="deep" if i % 2 == 0 else "quick") for i in range(3)]
@@ -35,13 +35,8 @@ def script(query: str, turn: int) -> str:
 
 
 def shared_claim(roots: int):
-    counter = itertools.count()
-
-    def claim() -> int | None:
-        index = next(counter)
-        return index if index < roots else None
-
-    return claim
+    """One step's claim as the inference ranks share it (`RootClaims`), on an in-process store."""
+    return RootClaims(dist.HashStore()).of_step(0, roots)
 
 
 def trees(groups) -> list[list[tuple]]:
@@ -106,6 +101,13 @@ def test_roots_given_both_ways_are_refused(tmp_path):
 def test_tree_order_is_root_by_root_in_preorder():
     from rlmtrain.rlm.records import RolloutGroup, Trajectory
 
+    # Each trajectory's children in spawn order, as a parent records them.
+    children = {
+        "t#x#2": ["t#x#2.0", "t#x#2.1", "t#x#2.10"],
+        "t#x#2.0": ["t#x#2.0.1"],
+        "t#x#10": ["t#x#10.0"],
+    }
+
     def trajectory(id_: str) -> Trajectory:
         root = id_.split(".")[0]
         return Trajectory(
@@ -116,8 +118,10 @@ def test_tree_order_is_root_by_root_in_preorder():
             task_id="t#x",
             sample_idx=int(root.rsplit("#", 1)[1]),
             prompt="",
+            children=children.get(id_, []),
         )
 
+    # As two ranks' parts arrive: roots and descendants interleaved.
     ids = ["t#x#10", "t#x#2.1", "t#x#2", "t#x#10.0", "t#x#2.0.1", "t#x#2.0", "t#x#2.10"]
     group = RolloutGroup(task=Task(id="t#x", query=""), trajectories=[trajectory(i) for i in ids])
     ordered = [t.id for t in in_tree_order(group).trajectories]

@@ -227,9 +227,12 @@ class Scheduler:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
         if claim is not None and samples is not None:
             raise ValueError("rollout: give the roots as samples or as claim, not both")
-        indices = [list(range(n_samples)) for _ in tasks] if samples is None else samples
         if claim is not None:
             indices = [[] for _ in tasks]  # the claimed roots are counted as they come
+        elif samples is None:
+            indices = [list(range(n_samples)) for _ in tasks]
+        else:
+            indices = samples
         if len(indices) != len(tasks):
             raise ValueError(f"samples: {len(indices)} lists for {len(tasks)} tasks")
         runs = [
@@ -247,11 +250,14 @@ class Scheduler:
         began = time.perf_counter()
         sampler = asyncio.create_task(self._sample_engine(began, timeline), name="metrics")
 
+        async def timed_tree(run: _TaskRun, sample_idx: int) -> None:
+            admitted = time.perf_counter()
+            await self._run_tree(run, env, sample_idx, batch)
+            latencies.append(time.perf_counter() - admitted)
+
         async def one_tree(run: _TaskRun, sample_idx: int, order: int) -> None:
             async with self._live_trees.slot((batch, order)):
-                admitted = time.perf_counter()
-                await self._run_tree(run, env, sample_idx, batch)
-                latencies.append(time.perf_counter() - admitted)
+                await timed_tree(run, sample_idx)
 
         async def claimed_trees(feeder: int) -> None:
             # A root is claimed only once a tree slot is held: an engine takes no more roots
@@ -265,9 +271,7 @@ class Scheduler:
                     if not 0 <= task < len(runs):
                         raise ValueError(f"claim gave root {index}; there are {len(runs)} tasks")
                     runs[task].trees_left += 1
-                    admitted = time.perf_counter()
-                    await self._run_tree(runs[task], env, sample_idx, batch)
-                    latencies.append(time.perf_counter() - admitted)
+                    await timed_tree(runs[task], sample_idx)
 
         try:
             async with asyncio.TaskGroup() as group:

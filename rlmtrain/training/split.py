@@ -47,7 +47,7 @@ from rlmtrain.envs.base import Task, get_env
 from rlmtrain.evaluation import spawned
 from rlmtrain.model.hf import hf_named
 from rlmtrain.model.tokenizer import load_tokenizer, with_chat_template_kwargs
-from rlmtrain.rlm.records import RolloutGroup, Trajectory
+from rlmtrain.rlm.records import RolloutGroup
 from rlmtrain.rollout import dealing
 from rlmtrain.rollout.ahead import Ahead, Rolled, StepRoots
 from rlmtrain.rollout.engine import SamplingParams
@@ -167,13 +167,10 @@ class RemoteRollouts:
 
 
 def in_tree_order(group: RolloutGroup) -> RolloutGroup:
-    """`group` with its trajectories root by root, each tree in preorder: the same order
-    whichever inference ranks ran its roots (ids are `task#root.child.grandchild...`)."""
-
-    def place(trajectory: Trajectory) -> tuple[int, ...]:
-        return tuple(int(part) for part in trajectory.id.rsplit("#", 1)[1].split("."))
-
-    return RolloutGroup(task=group.task, trajectories=sorted(group.trajectories, key=place))
+    """`group` with its trajectories root by root (`RolloutGroup.roots`), each tree walked by
+    `RolloutGroup.tree`: the same order whichever inference ranks ran its roots."""
+    ordered = [trajectory for root in group.roots for trajectory in group.tree(root)]
+    return RolloutGroup(task=group.task, trajectories=ordered)
 
 
 class RootClaims:
