@@ -68,7 +68,7 @@ def _worker() -> None:
             train=msgspec.structs.replace(cfg.train, sft_steps=0),
         )
         model = parallel.shard(build_model(cfg.model), device, torch.float32)
-        optimizer = build_optimizer(model, cfg)
+        optimizer = build_optimizer(model, cfg, "rl")
         packed = pack(_batch(2048), cfg.algo.micro_batch_tokens, world_size=world.size)
         grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
         parallel.barrier()

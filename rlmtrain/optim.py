@@ -1,11 +1,12 @@
 """The optimizer and its learning-rate schedule, from `[train]`.
 
 AdamW over the fp32 master weights (`train.adam_betas`, `adam_eps`, `adam_fused`,
-`weight_decay`). The LR is a pure function of the phase and the step (`lr_at`), so a resumed run
-needs only the step to be back on schedule; the value in force is still written into every
-checkpoint and metrics row. Each phase (SFT at `train.sft_lr`, RL at `train.lr`) has its own
-schedule over its own steps: `warmup_steps` of linear warm-up from peak / (warmup + 1), then the
-peak held ("constant") or decayed to `min_lr_ratio` x peak at the phase's last step ("linear",
+`weight_decay`); each phase starts an AdamW of its own, SFT with `sft_adam_eps` where set. The
+LR is a pure function of the phase and the step (`lr_at`), so a resumed run needs only the step
+to be back on schedule; the value in force is still written into every checkpoint and metrics
+row. Each phase (SFT at `train.sft_lr`, RL at `train.lr`) has its own schedule over its own
+steps: `warmup_steps` of linear warm-up from peak / (warmup + 1), then the peak held
+("constant") or decayed to `min_lr_ratio` x peak at the phase's last step ("linear",
 "cosine"). `sft_lr_schedule` gives SFT a schedule of its own: a supervised phase that decays its
 LR settles instead of spiking at a high constant one, while RL keeps a constant LR.
 """
@@ -19,14 +20,15 @@ import torch
 from rlmtrain.config import Config
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: Config, phase: str) -> torch.optim.AdamW:
+    """A fresh AdamW for `phase` ("sft" | "rl"): its peak LR and its epsilon."""
     train = cfg.train
     beta1, beta2 = train.adam_betas
     return torch.optim.AdamW(
         model.parameters(),
-        lr=phase_peak_lr(cfg, "sft" if train.sft_steps else "rl"),
+        lr=phase_peak_lr(cfg, phase),
         betas=(beta1, beta2),
-        eps=train.adam_eps,
+        eps=phase_adam_eps(cfg, phase),
         weight_decay=train.weight_decay,
         fused=train.adam_fused,
     )
@@ -36,6 +38,12 @@ def phase_peak_lr(cfg: Config, phase: str) -> float:
     if phase == "sft":
         return cfg.train.sft_lr or cfg.train.lr
     return cfg.train.lr
+
+
+def phase_adam_eps(cfg: Config, phase: str) -> float:
+    if phase == "sft":
+        return cfg.train.sft_adam_eps or cfg.train.adam_eps
+    return cfg.train.adam_eps
 
 
 def phase_schedule(cfg: Config, phase: str) -> str:

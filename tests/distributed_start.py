@@ -37,7 +37,7 @@ def main() -> None:
         parallel.barrier()
         baseline = resident_bytes()
         model = sharded_policy(cfg.model, device, torch.bfloat16)
-        build_optimizer(model, cfg)
+        build_optimizer(model, cfg, "sft")
         started = peak_resident_bytes() - baseline
         export(model, cfg, load_tokenizer("byte"), None, Path(args.export))
         exported = peak_resident_bytes() - baseline

@@ -115,7 +115,7 @@ def main() -> None:
         samples = fixed_samples(model, cfg)
         initial = {k: v.clone() for k, v in model.state_dict().items()}
         model = parallel.shard(model, device, DTYPES[args.dtype], args.replicate)
-        optimizer = build_optimizer(model, cfg)
+        optimizer = build_optimizer(model, cfg, "rl")
         reference = reference_policy(cfg, model, device, None, 0)
         packed = pack(samples, cfg.algo.micro_batch_tokens, world_size=world.size)
         mine = [len(mb.sample_indices) for mb in packed.micro_batches(world.rank)]

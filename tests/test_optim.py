@@ -3,9 +3,10 @@
 import math
 
 import pytest
+import torch
 
 from rlmtrain.config import load_config
-from rlmtrain.optim import lr_at
+from rlmtrain.optim import build_optimizer, lr_at
 
 
 def _config(**train):
@@ -52,3 +53,16 @@ def test_sft_lr_schedule_decays_sft_alone():
 def test_same_follows_lr_schedule():
     cfg = _config(sft_steps=9, steps=5, lr_schedule="linear", sft_lr_schedule="same")
     assert lr_at(cfg, "sft", 8) == 0.0 and lr_at(cfg, "rl", 4) == 0.0
+
+
+def test_each_phase_builds_adam_with_its_own_epsilon_and_peak():
+    """The default's RL takes a large epsilon (updates that follow the gradient's size) while
+    SFT keeps a small one; an SFT epsilon of 0 is the RL one."""
+    model = torch.nn.Linear(3, 2)
+    cfg = _config(sft_adam_eps=1e-8, adam_eps=1e-3)
+    sft, rl = build_optimizer(model, cfg, "sft"), build_optimizer(model, cfg, "rl")
+    assert (sft.defaults["eps"], sft.defaults["lr"]) == (1e-8, 3e-3)
+    assert (rl.defaults["eps"], rl.defaults["lr"]) == (1e-3, 3e-4)
+    assert build_optimizer(model, _config(sft_adam_eps=0.0), "sft").defaults["eps"] == (
+        cfg.train.adam_eps
+    )

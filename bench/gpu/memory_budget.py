@@ -106,7 +106,7 @@ def main() -> None:
     packed, part = None, "building the policy"
     try:
         model = sharded_policy(cfg.model, device, dtype)
-        optimizer = build_optimizer(model, cfg)
+        optimizer = build_optimizer(model, cfg, "rl")
         packed = pack_samples(samples, cfg, world.size)
         figures["weights_gib"] = meter.allocated()
 

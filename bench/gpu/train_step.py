@@ -94,7 +94,7 @@ def main() -> None:
         )
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = parallel.shard(build_model(cfg.model), device, dtype)
-        optimizer = build_optimizer(model, cfg)
+        optimizer = build_optimizer(model, cfg, "rl")
         vocab = preset(options.preset).vocab_size
         batch = random_batch(options.samples, vocab)
         packed = pack(batch, cfg.algo.micro_batch_tokens, world_size=world.size)

@@ -54,7 +54,7 @@ async def rl_phase(run: Run) -> None:
         # pushing along SFT's gradients for tens of steps (momentum) and divide RL's far
         # smaller gradients by SFT's second moments: measured on the default, RL then
         # lowered held-out reward on one seed in three.
-        run.optimizer = build_optimizer(run.model, cfg)
+        run.optimizer = build_optimizer(run.model, cfg, "rl")
     reference = reference_policy(run.cfg, run.model, run.device, run.resume_from, first)
     if remote is not None:
         await remote.start(first, run.model)

@@ -116,7 +116,8 @@ async def start_run(cfg: Config, world: parallel.World, device: torch.device) ->
     # Refused here, before the model and the engine start, when the tokenizer cannot use them.
     tokenizer = with_chat_template_kwargs(tokenizer, cfg.rollout.chat_template_kwargs)
     model = sharded_policy(cfg.model, device, DTYPES[cfg.model.dtype], cfg.parallel.replicate)
-    optimizer = build_optimizer(model, cfg)
+    # A resumed run's optimizer takes its hyperparameters from the checkpoint it loads.
+    optimizer = build_optimizer(model, cfg, "sft" if cfg.train.sft_steps else "rl")
     log.info(
         "model: %s, %.2fM parameters, vocabulary %d, on %d x %s (%s compute, fp32 masters)",
         cfg.model.hf_dir or f"preset {cfg.model.preset}",
