@@ -92,6 +92,11 @@ def test_registered_as_booknav_and_needs_a_judge():
     assert "search_index" in env.system_prompt()
     with pytest.raises(ConfigError, match=r"judge\.base_url"):
         get_env("booknav", Config())
+    flawed = msgspec.structs.replace(
+        config, data=msgspec.structs.replace(config.data, teacher_flawed_share=0.5)
+    )
+    with pytest.raises(ConfigError, match=r"data\.teacher_flawed_share: the booknav teacher"):
+        get_env("booknav", flawed)
 
 
 def proof_verdicts(nth: int, body: dict) -> tuple[int, bytes]:

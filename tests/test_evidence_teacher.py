@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlmtrain.config import RolloutConfig, load_config
+from rlmtrain.config import ConfigError, RolloutConfig, load_config
 from rlmtrain.envs.evidence import EvidenceEnv
 from rlmtrain.envs.evidence_teacher import (
     TEACHER_LIMITS,
@@ -22,7 +22,7 @@ from rlmtrain.envs.evidence_teacher import (
     root_plan,
 )
 from rlmtrain.envs.synth import synthesize
-from rlmtrain.envs.teacher import fenced_code
+from rlmtrain.envs.teacher import fenced_code, flaw_of
 from rlmtrain.model.bpe import train_bpe
 from rlmtrain.model.tokenizer import ByteTokenizer
 from rlmtrain.rlm.records import read_groups, write_groups
@@ -152,6 +152,32 @@ def test_compact_teacher_through_the_scheduler(env_and_tasks):
     assert statistics.mean(scores) >= 0.8, scores
 
 
+def test_flawed_children_quote_another_window_and_score_less(env_and_tasks):
+    """With `teacher_flawed_share`, the flawed share of the queries' children quote the
+    opening sentence alone or several past the passage (one token away from the plan), the
+    others the plan's window; played through the scheduler, the flawed trees score less."""
+    import re
+
+    tasks = [task for task in env_and_tasks[1] if len(task.paper_ids) >= 2][:24]
+    share = 0.67
+    env = EvidenceEnv(env_and_tasks[0].corpus, prompt_style="compact", flawed_share=share)
+    config = RolloutConfig(prompt_style="compact", max_turns=3, max_depth=1)
+    groups = asyncio.run(teach(env, tasks, ByteTokenizer(), config))
+    scores = [s for ss in asyncio.run(env.root_scores(tasks, groups)) for s in ss]
+    by_window: dict[str, list[float]] = {}
+    for task, group, score in zip(tasks, groups, scores, strict=True):
+        children = [t for t in group.trajectories if t.parent_id is not None]
+        windows = {re.search(r"window=(\d+)", c.turns[0].code)[1] for c in children}
+        wanted = {None: "150", 0: "0", 1: "400"}[flaw_of(task.query, share, 2)]
+        assert windows == {wanted}, (task.query, windows)
+        by_window.setdefault(wanted, []).append(score)
+    assert set(by_window) == {"150", "0", "400"}, by_window
+    plan = statistics.mean(by_window["150"])
+    assert max(statistics.mean(by_window["0"]), statistics.mean(by_window["400"])) < plan - 0.15
+    with pytest.raises(ConfigError, match="data.teacher_flawed_share"):
+        EvidenceEnv(flawed_share=share).teacher(RolloutConfig(max_turns=5))
+
+
 def test_reply_reads_the_prompt_as_a_policy_would():
     query = "Which baselines are used to evaluate the methods based on label propagation?"
     root = f"<|im_start|>user\n`context` holds 3 papers.\nQuery: {query}\nTurn 1 of 3."
@@ -186,14 +212,15 @@ def test_compact_replies_fit_the_default_turn(env_and_tasks, tmp_path):
     default's `rollout.max_new_tokens` with room to spare under a BPE trained as the run trains
     one (on `vocabulary_texts`): a cut reply would teach SFT a turn that never runs."""
     env, tasks = env_and_tasks
-    env = EvidenceEnv(env.corpus, prompt_style="compact")
     cfg = load_config(str(ROOT / "configs" / "tiny-cpu.toml"), [])
+    share = cfg.data.teacher_flawed_share
+    env = EvidenceEnv(env.corpus, prompt_style="compact", flawed_share=share)
     tok = train_bpe(env.vocabulary_texts(tasks), cfg.model.bpe_vocab_size, tmp_path / "tok")
     blocks = [
         block
         for task in tasks
-        for block in compact_root_plan(task.query, len(task.paper_ids))
-        + compact_child_plan(task.query)
+        for block in compact_root_plan(task.query, len(task.paper_ids), share)
+        + compact_child_plan(task.query, share)
     ]
     longest = max(len(tok.encode(fenced_code(block))) for block in blocks)
     assert longest <= cfg.rollout.max_new_tokens - 8, longest

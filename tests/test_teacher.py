@@ -3,7 +3,7 @@
 import pytest
 
 from rlmtrain.envs.base import Env
-from rlmtrain.envs.teacher import plan_reply, query_and_turn
+from rlmtrain.envs.teacher import flaw_of, plan_reply, query_and_turn
 from rlmtrain.rlm.prompts import compact_query_message, query_message
 
 
@@ -38,3 +38,16 @@ def test_plan_reply_answers_each_turn_then_nothing_and_names_itself():
     assert reply(_prompt(query_message("q", 2, 3))) == ""
     with pytest.raises(ValueError, match="probe teacher: no query or turn"):
         reply(_prompt("hello"))
+
+
+def test_flaw_of_draws_a_stable_share_spread_over_the_variants():
+    queries = [f"Which datasets are used to evaluate Method{i}?" for i in range(3000)]
+    assert {flaw_of(q, 0.0, 2) for q in queries} == {None}
+    draws = [flaw_of(q, 0.67, 2) for q in queries]
+    assert draws == [flaw_of(q, 0.67, 2) for q in queries]  # the same query, the same draw
+    share = sum(d is not None for d in draws) / len(draws)
+    assert 0.62 < share < 0.72, share
+    assert abs(draws.count(0) - draws.count(1)) < 0.1 * len(draws), draws
+    # A larger share flaws every query a smaller one flaws.
+    wider = [flaw_of(q, 0.9, 1) for q in queries]
+    assert all(w is not None for d, w in zip(draws, wider, strict=True) if d is not None)

@@ -101,6 +101,17 @@ class DataConfig(Section):
         int, _doc("most papers in a synthesised group (multi-paper tasks need >= 2)", ge=1, le=10)
     ] = 10
     seed: Annotated[int, _doc("seed for data synthesis and task order", ge=0, le=SEED_MAX)] = 0
+    teacher_flawed_share: Annotated[
+        float,
+        _doc(
+            "share of the SFT tasks the scripted teacher plays with a flawed variant of its plan, "
+            "one token away from it (evidence, compact plans: a child quoting too little or too "
+            "much; codenav: answering with the body's first call), so that SFT leaves RL a "
+            "choice to learn; 0 = the plan alone",
+            ge=0,
+            lt=1,
+        ),
+    ] = 0.0
 
 
 class RolloutConfig(Section):
@@ -319,7 +330,10 @@ class TrainConfig(Section):
     adam_betas: Annotated[list[float], _doc("AdamW (beta1, beta2)")] = msgspec.field(
         default_factory=lambda: [0.9, 0.999]
     )
-    adam_eps: Annotated[float, _doc("AdamW epsilon", gt=0)] = 1e-8
+    adam_eps: Annotated[
+        float, _doc("AdamW epsilon of the RL steps (and SFT's by default)", gt=0)
+    ] = 1e-8
+    sft_adam_eps: Annotated[float, _doc("AdamW epsilon of the SFT steps; 0 = adam_eps", ge=0)] = 0.0
     adam_fused: Annotated[bool, _doc("AdamW's fused implementation (one kernel per step)")] = False
     grad_clip: Annotated[float, _doc("max global grad norm; 0 = off", ge=0)] = 1.0
     loss_impl: Annotated[

@@ -170,6 +170,10 @@ def make_booknav(config: Config | None) -> BookNavEnv:
     """BookNavigator's reward is a judge's verdict, so a run must name one in [judge]."""
     if config is None or not config.judge.base_url:
         raise ConfigError("judge.base_url: env 'booknav' is scored by a judge; set its endpoint")
+    if config.data.teacher_flawed_share:
+        raise ConfigError(
+            "data.teacher_flawed_share: the booknav teacher has no flawed plan; set it to 0"
+        )
     return BookNavEnv(config.judge)
 
 

@@ -156,8 +156,10 @@ class CodeNavEnv(Env):
     name = "codenav"
     task_type = CodeTask
 
-    def __init__(self) -> None:
+    def __init__(self, flawed_share: float = 0.0) -> None:
         self._codebases: dict[str, str] = {}
+        self.flawed_share = flawed_share
+        """The share of the tasks the teacher plays with a flawed plan (`codenav_teacher`)."""
 
     def system_prompt(self) -> str:
         return STRATEGY
@@ -175,7 +177,7 @@ class CodeNavEnv(Env):
         """The scripted teacher's reply (`codenav_teacher`), for `rollout.teaching.teach`."""
         from rlmtrain.envs.codenav_teacher import teacher
 
-        return teacher(rollout)
+        return teacher(rollout, self.flawed_share)
 
     def load_tasks(self, path: str | Path) -> list[CodeTask]:
         return read_tasks_beside(path, CodeTask, "codebase")
@@ -209,7 +211,7 @@ class CodeNavEnv(Env):
         texts = super().vocabulary_texts(tasks)
         texts += list(dict.fromkeys(self.context(task) for task in tasks))
         for task in tasks:
-            texts += plan(task.query)
+            texts += plan(task.query, self.flawed_share)
         return texts
 
     async def reward(self, task: CodeTask, group: RolloutGroup) -> RewardResult:
@@ -224,4 +226,4 @@ class CodeNavEnv(Env):
 
 @register_env("codenav")
 def make_codenav(config: Config | None) -> CodeNavEnv:
-    return CodeNavEnv()
+    return CodeNavEnv(config.data.teacher_flawed_share if config is not None else 0.0)

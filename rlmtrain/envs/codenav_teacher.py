@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 
 from rlmtrain.config import RolloutConfig
-from rlmtrain.envs.teacher import plan_reply
+from rlmtrain.envs.teacher import flaw_of, plan_reply
 
 __all__ = ["parse_question", "plan", "teacher"]
 
@@ -36,18 +36,24 @@ def parse_question(query: str) -> tuple[str, str, str]:
     return match["path"], match["caller"], match["callee"]
 
 
-def plan(query: str) -> list[str]:
-    """The expert's code, one string per turn."""
+def plan(query: str, flawed_share: float = 0.0) -> list[str]:
+    """The expert's code, one string per turn. In the `flawed_share` of the queries whose plan
+    is flawed, the filter forgets to compare the name with the callee (`if name]`, one token
+    where the plan has `if name == callee]`), so the answer is the body's first call: right
+    only where that is the callee, about a third of the tasks (the SFT filter keeps those trees
+    and drops the others). Where the flaw dropped the whole filter line instead, the two codes
+    parted inside a BPE token (` caller)` against ` caller)]`) and SFT's policy wrote neither."""
     parse_question(query)
+    flawed = flaw_of(query, flawed_share, 1) is not None
     return [
         'caller, path, callee = query.split("\'")[1:6:2]\n'
         "hits = [position for name, position in list_calls(path + ':' + caller)\n"
-        "        if name == callee]\n"
-        "print(hits)",
+        + ("        if name]\n" if flawed else "        if name == callee]\n")
+        + "print(hits)",
         "FINAL(hits[0])",
     ]
 
 
-def teacher(config: RolloutConfig) -> Callable[[str], str]:
+def teacher(config: RolloutConfig, flawed_share: float = 0.0) -> Callable[[str], str]:
     """The teacher's reply: its plan for the prompt's query, a turn's block at a time."""
-    return plan_reply(plan, "codenav teacher")
+    return plan_reply(lambda query: plan(query, flawed_share), "codenav teacher")

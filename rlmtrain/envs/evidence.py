@@ -86,12 +86,15 @@ class EvidenceEnv(Env):
         *,
         judge: RubricJudge | None = None,
         prompt_style: str = "full",
+        flawed_share: float = 0.0,
     ):
         if prompt_style not in ("full", "compact"):
             raise ValueError(f"prompt_style must be 'full' or 'compact', got {prompt_style!r}")
         self.corpus: dict[str, Paper] = dict(corpus or {})
         self.judge = judge
         self.prompt_style = prompt_style
+        self.flawed_share = flawed_share
+        """The share of the tasks the teacher plays with a flawed plan (`evidence_teacher`)."""
 
     # -- data -----------------------------------------------------------------------------
 
@@ -140,9 +143,11 @@ class EvidenceEnv(Env):
         # The code is a small share of the text but every completion: weighted up, its idioms
         # become single tokens and a turn's code gets shorter. Fenced as a reply is, so that the
         # fence lines are a token or two rather than ten.
+        share = self.flawed_share
         for task in tasks:
-            plans = compact_root_plan(task.query, len(task.paper_ids))
-            replies = [fenced_code(code) for code in plans + compact_child_plan(task.query)]
+            plans = compact_root_plan(task.query, len(task.paper_ids), share)
+            plans += compact_child_plan(task.query, share)
+            replies = [fenced_code(code) for code in plans]
             texts += replies * CODE_WEIGHT
         return texts
 
@@ -164,7 +169,7 @@ class EvidenceEnv(Env):
         """The scripted teacher's reply (`evidence_teacher`), for `rollout.teaching.teach`."""
         from rlmtrain.envs.evidence_teacher import teacher
 
-        return teacher(rollout)
+        return teacher(rollout, self.flawed_share)
 
     def context(self, task: EvidenceTask) -> dict[str, dict[str, Any]]:
         out = {}
@@ -201,7 +206,8 @@ def make_evidence_env(config: Config | None) -> EvidenceEnv:
     """The evidence env of a run: the corpus beside `data.train_path` (and `data.eval_path`)
     when set, and the rubric judge when `judge.base_url` is set."""
     style = config.rollout.prompt_style if config is not None else "full"
-    env = EvidenceEnv(judge=_judge(config), prompt_style=style)
+    share = config.data.teacher_flawed_share if config is not None else 0.0
+    env = EvidenceEnv(judge=_judge(config), prompt_style=style, flawed_share=share)
     if config is not None:
         for tasks_path in (config.data.train_path, config.data.eval_path):
             corpus = Path(tasks_path).parent / CORPUS_FILE if tasks_path else None

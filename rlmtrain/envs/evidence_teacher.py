@@ -27,6 +27,13 @@ Nothing in them retypes the query: the REPL's `query` holds it (`rlm.agent` bind
 the code needs is computed from it, so a policy learns one template per role, not a copy of
 every name it meets nor a constant per family.
 
+With `flawed_share` (`data.teacher_flawed_share`) the teacher plays that share of the queries
+with a flawed child plan: its search quotes 0 or 400 characters past the opening words instead
+of 150, one token away from the plan, so that SFT leaves a choice whose outcomes differ for RL
+to learn. The root's plan is never flawed: where the flaw was the root's (every paper sent to a
+helper, no triage) its shorter code slipped less at temperature 1 than triage's, and RL chose
+the flaw (docs/recipes.md).
+
 A query no rule recognises raises ValueError naming it: a teacher that guesses poisons SFT data.
 """
 
@@ -40,7 +47,7 @@ import msgspec
 
 from rlmtrain.config import ConfigError, RolloutConfig
 from rlmtrain.envs.evidence_tasks import EvidenceTask
-from rlmtrain.envs.teacher import fenced_code, last_user_message, query_and_turn
+from rlmtrain.envs.teacher import fenced_code, flaw_of, last_user_message, query_and_turn
 from rlmtrain.rlm.prompts import PromptStyle
 
 log = logging.getLogger("rlmtrain")
@@ -257,24 +264,37 @@ _KEY = "key = query.replace(' evaluate ', ' on ').split(' on ')[-1].rstrip('?')"
 """The name the query turns on: every family's ends the query after " on " or " evaluate "."""
 
 
-def compact_child_plan(query: str) -> list[str]:
+_WINDOW = 150
+"""Characters the child's search quotes past the opening words: the passage is the sentence
+they open and the next one."""
+
+_FLAWED_WINDOWS = (0, 400)
+"""The windows of the flawed child plans (`data.teacher_flawed_share`): the opening sentence
+alone (half the passage), or several sentences past it. Each is one token away from the plan
+and scores about 0.56 against its 0.89 over the SFT tasks (docs/recipes.md)."""
+
+
+def compact_child_plan(query: str, flawed_share: float = 0.0) -> list[str]:
     """One paper: search the words that open the answer, answer with the sentences they open.
-    The code is the same for every query (`parse_query` only refuses one of no known family)."""
+    The code is the same for every query (`parse_query` only refuses one of no known family),
+    except in the `flawed_share` of the queries whose search quotes a flawed window."""
     parse_query(query)
+    flaw = flaw_of(query, flawed_share, len(_FLAWED_WINDOWS))
+    window = _WINDOW if flaw is None else _FLAWED_WINDOWS[flaw]
     return [
         f"{_OPENING}\n"
-        "hits = [s for v in search(context, lead, window=150, bidirectional=False).values() "
-        "for s in v]\n"
+        f"hits = [s for v in search(context, lead, window={window}, bidirectional=False)"
+        ".values() for s in v]\n"
         "print(len(hits), 'passages')",
         'answer = "\\n".join(hits)\nFINAL_VAR("answer")',
     ]
 
 
-def compact_root_plan(query: str, n_papers: int) -> list[str]:
+def compact_root_plan(query: str, n_papers: int, flawed_share: float = 0.0) -> list[str]:
     """Several papers: keep those whose abstract names the query's key, one helper each with the
     query as its prompt, join the answers of those that gave one; one paper: the child's plan."""
     if n_papers == 1:
-        return compact_child_plan(query)
+        return compact_child_plan(query, flawed_share)
     parse_query(query)
     return [
         f"{_KEY}\n"
@@ -293,7 +313,7 @@ def compact_root_plan(query: str, n_papers: int) -> list[str]:
 _PAPERS = re.compile(r"`context` holds (\d+) papers?")
 
 
-def reply(prompt_text: str, style: PromptStyle = "full") -> str:
+def reply(prompt_text: str, style: PromptStyle = "full", flawed_share: float = 0.0) -> str:
     """The teacher's completion for a templated prompt: the plan block of this turn, fenced.
 
     The plan is read off the prompt's last user message alone, as a policy would: the query,
@@ -302,12 +322,14 @@ def reply(prompt_text: str, style: PromptStyle = "full") -> str:
     """
     query, index = query_and_turn(prompt_text, "evidence teacher")
     papers = _PAPERS.search(last_user_message(prompt_text))
-    root, child = (
-        (compact_root_plan, compact_child_plan)
-        if style == "compact"
-        else (full_root_plan, full_child_plan)
-    )
-    blocks = root(query, int(papers[1])) if papers else child(query)
+    if style == "compact":
+        blocks = (
+            compact_root_plan(query, int(papers[1]), flawed_share)
+            if papers
+            else compact_child_plan(query, flawed_share)
+        )
+    else:
+        blocks = full_root_plan(query, int(papers[1])) if papers else full_child_plan(query)
     return fenced_code(blocks[index]) if index < len(blocks) else ""
 
 
@@ -319,10 +341,11 @@ prompts are ~4x longer than a BPE one's (the full system prompt plus one list_pa
 needs about 10k byte tokens); unfinished teacher trajectories are most often "context"."""
 
 
-def teacher(config: RolloutConfig) -> Callable[[str], str]:
-    """The teacher's reply under `config`'s prompt style; a ConfigError where `config` cannot
-    carry its trees: children need a REPL (max_depth >= 1) and the plans need their turns (5
-    in the full style, 2 in the compact one)."""
+def teacher(config: RolloutConfig, flawed_share: float = 0.0) -> Callable[[str], str]:
+    """The teacher's reply under `config`'s prompt style, flawed in `flawed_share` of the
+    queries; a ConfigError where `config` cannot carry its trees: children need a REPL
+    (max_depth >= 1) and the plans need their turns (5 in the full style, 2 in the compact
+    one), or where the style has no flawed plan (the full one)."""
     needed = 2 if config.prompt_style == "compact" else 5
     if config.max_depth < 1 or config.max_turns < needed:
         raise ConfigError(
@@ -331,4 +354,9 @@ def teacher(config: RolloutConfig) -> Callable[[str], str]:
             f"max_turns={config.max_turns}"
         )
     style = config.prompt_style
-    return lambda text: reply(text, style)
+    if flawed_share and style != "compact":
+        raise ConfigError(
+            f"data.teacher_flawed_share: the evidence teacher flaws only its compact plans; "
+            f"rollout.prompt_style is {style!r}"
+        )
+    return lambda text: reply(text, style, flawed_share)

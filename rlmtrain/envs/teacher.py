@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import re
+import zlib
 from collections.abc import Callable
 
-__all__ = ["fenced_code", "last_user_message", "plan_reply", "query_and_turn"]
+__all__ = ["fenced_code", "flaw_of", "last_user_message", "plan_reply", "query_and_turn"]
 
 log = logging.getLogger("rlmtrain")
 
@@ -41,6 +42,17 @@ def query_and_turn(prompt_text: str, who: str) -> tuple[str, int]:
     if not matches:
         raise ValueError(f"{who}: no query or turn in the prompt: {fresh[-300:]!r}")
     return matches[-1]["query"].strip(), int(matches[-1]["turn"]) - 1
+
+
+def flaw_of(query: str, share: float, flaws: int) -> int | None:
+    """Which of a teacher's `flaws` flawed variants of its plan it plays for `query`, or None
+    for the plan itself. A `share` of the queries get a flaw, spread evenly over the variants;
+    the draw is a CRC of the query, the same in every process and run, so every turn of a tree
+    (and its children, who see the same query) plays the same variant."""
+    draw = zlib.crc32(query.encode()) / 2**32
+    if draw >= share:
+        return None
+    return min(int(draw / share * flaws), flaws - 1)
 
 
 def plan_reply(plan_of: Callable[[str], list[str]], who: str) -> Callable[[str], str]:
