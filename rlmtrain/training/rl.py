@@ -49,11 +49,13 @@ async def rl_phase(run: Run) -> None:
             await remote.start(0, run.model)  # nothing to roll out: they end
         return
     first = run.state.step
-    if first == 0:
+    if first == 0 or not run.optimizer.state:
         # RL starts from optimizer state of its own. Adam's moments from SFT would go on
         # pushing along SFT's gradients for tens of steps (momentum) and divide RL's far
         # smaller gradients by SFT's second moments: measured on the default, RL then
-        # lowered held-out reward on one seed in three.
+        # lowered held-out reward on one seed in three. A resumed RL phase whose checkpoint
+        # held a fresh optimizer (no update yet) gets RL's too, not the one start-up built
+        # for SFT with SFT's epsilon.
         run.optimizer = build_optimizer(run.model, cfg, "rl")
     reference = reference_policy(run.cfg, run.model, run.device, run.resume_from, first)
     if remote is not None:
