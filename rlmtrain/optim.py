@@ -8,7 +8,9 @@ row. Each phase (SFT at `train.sft_lr`, RL at `train.lr`) has its own schedule o
 steps: `warmup_steps` of linear warm-up from peak / (warmup + 1), then the peak held
 ("constant") or decayed to `min_lr_ratio` x peak at the phase's last step ("linear",
 "cosine"). `sft_lr_schedule` gives SFT a schedule of its own: a supervised phase that decays its
-LR settles instead of spiking at a high constant one, while RL keeps a constant LR.
+LR settles instead of spiking at a high constant one, while RL keeps a constant LR;
+`sft_warmup_steps` likewise gives SFT a warm-up of its own, so RL's first updates (on a fresh
+AdamW whose second moments are one batch old) can ramp up while SFT keeps its start.
 """
 
 from __future__ import annotations
@@ -52,12 +54,18 @@ def phase_schedule(cfg: Config, phase: str) -> str:
     return cfg.train.lr_schedule
 
 
+def phase_warmup(cfg: Config, phase: str) -> int:
+    if phase == "sft" and cfg.train.sft_warmup_steps >= 0:
+        return cfg.train.sft_warmup_steps
+    return cfg.train.warmup_steps
+
+
 def lr_at(cfg: Config, phase: str, step: int) -> float:
     """The LR of 0-based `step` of `phase` ("sft" | "rl")."""
     train = cfg.train
     peak = phase_peak_lr(cfg, phase)
     steps = train.sft_steps if phase == "sft" else train.steps
-    warmup = train.warmup_steps
+    warmup = phase_warmup(cfg, phase)
     if step < warmup:
         return peak * (step + 1) / (warmup + 1)
     schedule = phase_schedule(cfg, phase)

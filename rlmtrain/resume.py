@@ -30,6 +30,7 @@ SCHEDULE_KEYS = (
     "train.lr_schedule",
     "train.sft_lr_schedule",
     "train.warmup_steps",
+    "train.sft_warmup_steps",
     "train.min_lr_ratio",
     "algo.exploration_beta",
     "algo.tool_credit_alpha",

@@ -50,6 +50,17 @@ def test_sft_lr_schedule_decays_sft_alone():
     assert [lr_at(cfg, "rl", s) for s in range(5)] == [3e-4] * 5
 
 
+def test_sft_warmup_steps_gives_sft_its_own_warmup():
+    """RL ramps up over warmup_steps while SFT starts at its peak; -1 follows warmup_steps."""
+    cfg = _config(sft_steps=9, steps=5, warmup_steps=3, sft_warmup_steps=0)
+    assert lr_at(cfg, "sft", 0) == 3e-3
+    assert [lr_at(cfg, "rl", s) for s in range(4)] == pytest.approx([7.5e-5, 1.5e-4, 2.25e-4, 3e-4])
+    same = _config(sft_steps=9, steps=5, warmup_steps=3, sft_warmup_steps=-1)
+    assert lr_at(same, "sft", 0) == pytest.approx(3e-3 / 4)
+    own = _config(sft_steps=9, steps=5, warmup_steps=0, sft_warmup_steps=1)
+    assert lr_at(own, "sft", 0) == pytest.approx(3e-3 / 2) and lr_at(own, "rl", 0) == 3e-4
+
+
 def test_same_follows_lr_schedule():
     cfg = _config(sft_steps=9, steps=5, lr_schedule="linear", sft_lr_schedule="same")
     assert lr_at(cfg, "sft", 8) == 0.0 and lr_at(cfg, "rl", 4) == 0.0

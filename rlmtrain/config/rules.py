@@ -113,6 +113,11 @@ def preflight(config: Config) -> str:
             f"{train.warmup_steps} warm-up steps leave no step at the peak LR in either phase",
         ),
         (
+            "train.sft_warmup_steps",
+            train.sft_warmup_steps <= 0 or train.sft_warmup_steps < train.sft_steps,
+            f"{train.sft_warmup_steps} warm-up steps leave SFT no step at its peak LR",
+        ),
+        (
             "train.min_lr_ratio",
             train.min_lr_ratio == 0
             or train.lr_schedule != "constant"

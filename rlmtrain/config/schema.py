@@ -323,6 +323,9 @@ class TrainConfig(Section):
     warmup_steps: Annotated[
         int, _doc("steps of linear LR warm-up at the start of each phase", ge=0)
     ] = 0
+    sft_warmup_steps: Annotated[
+        int, _doc("steps of LR warm-up of the SFT phase alone; -1 = warmup_steps", ge=-1)
+    ] = -1
     min_lr_ratio: Annotated[
         float, _doc("LR at a phase's last step over its peak, for linear and cosine", ge=0, le=1)
     ] = 0.0
