@@ -398,6 +398,39 @@ def test_deeper_requests_go_first(tmp_path: Path) -> None:
     assert order.index("child") == 2
 
 
+def test_critical_path_serves_trees_with_more_turns_to_play_first(tmp_path: Path) -> None:
+    """Six two-turn roots, one request in flight. The first root served has its second turn
+    queued behind four first turns, and it waits for them all: a root that has played a turn
+    has fewer expected turns left (1.5 of the prior over 1..3 turns) than one that has played
+    none (2). (By depth, the queued second turn of a tree older than the waiting ones would go
+    first.)"""
+    served: list[int] = []
+
+    def script(query: str, turn: int) -> str:
+        served.append(turn)
+        return code("print(0)") if turn == 0 else code("FINAL('done')")
+
+    class Held(Callers):
+        """Holds the first call until the other five first turns wait, and the second until
+        the first root's second turn waits behind the last four."""
+
+        calls = 0
+
+        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+            self.calls += 1
+            if self.calls <= 2:
+                while scheduler._requests.waiting < 5:
+                    await asyncio.sleep(0.01)
+            return await super().generate(prompt_ids, params)
+
+    config = {"max_inflight_requests": 1, "max_turns": 3, "priority": "critical_path"}
+    scheduler, engine = make(script, **config)
+    scheduler = Scheduler(Held(engine), TOKENIZER, scheduler.config)
+    [group] = run(scheduler, engine, tmp_path, tasks=[Task(id="t", query="R")], n_samples=6)
+    assert [root.answer for root in group.roots] == ["done"] * 6
+    assert served[:7] == [0] * 6 + [1]
+
+
 @pytest.mark.slow
 def test_worker_limit_is_deadlock_free_under_deep_trees(tmp_path: Path) -> None:
     """Three levels of REPL trajectories, many trees, and only max_depth + 1 workers."""

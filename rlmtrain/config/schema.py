@@ -141,6 +141,14 @@ class RolloutConfig(Section):
     max_inflight_requests: Annotated[int, _doc("engine requests in flight at once", ge=1)] = 64
     max_live_trees: Annotated[int, _doc("root trajectories running at once", ge=1)] = 32
     max_live_workers: Annotated[int, _doc("REPL worker processes alive at once", ge=1)] = 128
+    priority: Annotated[
+        Literal["depth", "critical_path"],
+        _doc(
+            "which queued engine request goes first within a step: depth (deeper first, then "
+            "older trees) or critical_path (the longest expected chain of turns to its tree's "
+            "end first, estimated from the turns of trajectories already ended)"
+        ),
+    ] = "depth"
     repl_timeout_s: Annotated[
         float, _doc("wall-clock seconds per REPL exec, child calls not counted", gt=0)
     ] = 30.0

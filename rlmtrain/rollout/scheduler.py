@@ -14,7 +14,8 @@ Admission and priority:
   tree ends;
 - engine requests: at most `max_inflight_requests` in flight, the rest queued by priority
   (an earlier batch first, then deeper first so blocked parents resume sooner, then older trees
-  so trees finish rather than all progressing slowly);
+  so trees finish rather than all progressing slowly; with `priority = "critical_path"`, the
+  longest expected chain of turns to the tree's end first, `critical_path.py`);
 - REPL workers: at most `max_live_workers`, same priority, with a per-depth reserve that makes
   the limit deadlock-free (see `gate.py`). Plain LM calls at the depth limit need no worker.
 
@@ -66,6 +67,7 @@ from rlmtrain.rlm.agent import (
 from rlmtrain.rlm.prompts import RLMEnv
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 from rlmtrain.rlm.repl import ExecResult, QueryHandler, ReplLimits, Zygote
+from rlmtrain.rollout.critical_path import TurnCounts, chain_turns
 from rlmtrain.rollout.engine import Completion, Engine, SamplingParams
 from rlmtrain.rollout.gate import PriorityGate
 from rlmtrain.rollout.metrics import (
@@ -121,11 +123,32 @@ class _Tree:
     deadline: float
     tasks: set[asyncio.Task[Any]] = dataclasses.field(default_factory=set)
     aborted: bool = False
+    live: dict[str, Trajectory] = dataclasses.field(default_factory=dict)
+    """Its trajectories running now, by id (their chains, for `critical_path`)."""
 
     def priority(self, depth: int) -> tuple[int, int, int]:
         """Where a call of this tree at `depth` queues: an earlier batch first, then deeper
         calls, then older trees."""
         return (self.batch, -depth, self.order)
+
+    def critical_priority(
+        self, trajectory: Trajectory, counts: TurnCounts
+    ) -> tuple[int, float, int]:
+        """Where `trajectory`'s next request queues: an earlier batch first, then the longest
+        expected chain of turns to the tree's end, then older trees."""
+        return (self.batch, -chain_turns(trajectory, self.live, counts), self.order)
+
+    @contextlib.contextmanager
+    def running(self, trajectory: Trajectory, counts: TurnCounts) -> Iterator[None]:
+        """`trajectory` is live while inside; once it ends by itself (not cut off by a
+        timeout or an abort), its turns count towards the estimate of the turns to come."""
+        self.live[trajectory.id] = trajectory
+        try:
+            yield
+        finally:
+            del self.live[trajectory.id]
+            if trajectory.finish_reason not in ("timeout", "aborted"):
+                counts.record(trajectory.depth, len(trajectory.turns))
 
     @contextlib.contextmanager
     def timeout_on_cancel(self, trajectory: Trajectory) -> Iterator[None]:
@@ -190,6 +213,7 @@ class Scheduler:
         self._trees: dict[tuple[int, str], _Tree] = {}
         self._zygotes: set[ReplHost] = set()
         self._order = itertools.count()
+        self._turn_counts = TurnCounts(config.max_turns)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -377,10 +401,14 @@ class Scheduler:
 
     # -- trajectories ------------------------------------------------------------------------
 
-    def _agent(self, env: RLMEnv, tree: _Tree, depth: int) -> Agent:
-        priority = tree.priority(depth)
+    def _agent(self, env: RLMEnv, tree: _Tree, trajectory: Trajectory) -> Agent:
+        by_depth = tree.priority(trajectory.depth)
+        critical = self.config.priority == "critical_path"
 
         async def generate(prompt_ids: list[int], params: SamplingParams) -> Completion:
+            priority = (
+                tree.critical_priority(trajectory, self._turn_counts) if critical else by_depth
+            )
             async with self._requests.slot(priority):
                 return await self.engine.generate(prompt_ids, params)
 
@@ -409,9 +437,12 @@ class Scheduler:
                 async def spawn(calls: list[ChildCall]) -> list[str]:
                     return await self._spawn(tree, env, zygote, calls)
 
-                with tree.timeout_on_cancel(trajectory):
+                with (
+                    tree.running(trajectory, self._turn_counts),
+                    tree.timeout_on_cancel(trajectory),
+                ):
                     await run_trajectory(
-                        self._agent(env, tree, depth),
+                        self._agent(env, tree, trajectory),
                         trajectory,
                         task=tree.run.task,
                         session=session,
@@ -444,9 +475,12 @@ class Scheduler:
         return answers
 
     async def _run_plain(self, tree: _Tree, env: RLMEnv, call: ChildCall) -> None:
-        with tree.timeout_on_cancel(call.trajectory):
+        with (
+            tree.running(call.trajectory, self._turn_counts),
+            tree.timeout_on_cancel(call.trajectory),
+        ):
             await run_plain_call(
-                self._agent(env, tree, call.trajectory.depth),
+                self._agent(env, tree, call.trajectory),
                 call.trajectory,
                 context=call.context,
                 deadline=tree.deadline,
