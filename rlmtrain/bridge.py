@@ -7,14 +7,18 @@ every step's groups, in step order. Bridge rank 0 is trainer rank 0; inference r
 rank i + 1. Every call blocks, and each kind of traffic is driven by one thread at a time (the
 inference rank calls from two threads, one per group, beside its event loop).
 
-Objects travel pickled (a length, then the bytes); weights as the tensors themselves, after a
-header naming them, their shapes and dtypes. Gloo on either device: over a GPU world the
-weights are staged through the host.
+Objects travel pickled (a length, then the bytes) over gloo; weights as the tensors
+themselves, after a header naming them, their shapes and dtypes, over a third group: gloo on a
+CPU, NCCL on GPUs (GPU to GPU, never staged through the host, each inference rank receiving
+into its own device, which its engine loads from). The header and every object go over gloo
+first, so an NCCL broadcast is only ever posted once the sender is sending: NCCL's watchdog
+never sees a receiver waiting through the trainers' SFT.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import pickle
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,6 +30,8 @@ from rlmtrain import parallel
 
 __all__ = ["Bridge"]
 
+log = logging.getLogger("rlmtrain.train")
+
 # A bridge call waits as long as the other side works: an inference rank waits for the first
 # weights through the trainers' start, evaluation and SFT. A dead peer ends the run through the
 # launcher, which stops every rank, not through this timeout.
@@ -36,18 +42,29 @@ _GROUPS_TAG = 1
 class Bridge:
     """This rank's end of the bridge (trainer rank 0 or an inference rank)."""
 
-    def __init__(self, world: parallel.World) -> None:
+    def __init__(self, world: parallel.World, device: torch.device) -> None:
         if world.trains and world.rank != 0:
             raise ValueError("only trainer rank 0 is on the bridge")
         store = parallel.launch_store()
         self.rank = 0 if world.trains else world.rank + 1
         self.size = world.inference_ranks + 1
-        self._weights = dist.ProcessGroupGloo(
-            dist.PrefixStore("bridge/weights/", store), self.rank, self.size, _WAIT
-        )
-        self._groups = dist.ProcessGroupGloo(
-            dist.PrefixStore("bridge/groups/", store), self.rank, self.size, _WAIT
-        )
+        self.device = device
+        self._objects = self._gloo(store, "bridge/objects/")
+        self._groups = self._gloo(store, "bridge/groups/")
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = _WAIT
+            self._tensors = dist.ProcessGroupNCCL(
+                dist.PrefixStore("bridge/tensors/", store), self.rank, self.size, options
+            )
+        else:
+            self._tensors = self._gloo(store, "bridge/tensors/")
+        if self.rank == 0:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            log.info("bridge to %d inference ranks: weights over %s", self.size - 1, backend)
+
+    def _gloo(self, store: Any, prefix: str) -> dist.ProcessGroup:
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, self.size, _WAIT)
 
     # -- objects, point to point (the groups' channel) ----------------------------------------
 
@@ -71,13 +88,13 @@ class Bridge:
         """Trainer rank 0's `obj` on every bridge rank."""
         data = pickle.dumps(obj) if self.rank == 0 else b""
         length = torch.tensor([len(data)], dtype=torch.int64)
-        self._broadcast(length)
+        _broadcast(self._objects, length)
         buffer = (
             torch.frombuffer(bytearray(data), dtype=torch.uint8)
             if self.rank == 0
             else torch.empty(int(length), dtype=torch.uint8)
         )
-        self._broadcast(buffer)
+        _broadcast(self._objects, buffer)
         return obj if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
 
     def send_weights(
@@ -91,17 +108,20 @@ class Bridge:
         for (name, shape, dtype), (sent, tensor) in zip(header, named, strict=True):
             if sent != name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ValueError(f"weights: {sent} {tuple(tensor.shape)} where {name} {shape}")
-            self._broadcast(tensor.detach().cpu().contiguous())
+            _broadcast(self._tensors, tensor.detach().to(self.device).contiguous())
 
     def recv_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """An inference rank: the weights trainer rank 0 sends, as (name, tensor) pairs."""
+        """An inference rank: the weights trainer rank 0 sends, as (name, tensor) pairs on this
+        rank's device."""
         header = self.broadcast()
         for name, shape, dtype in header:
-            tensor = torch.empty(shape, dtype=dtype)
-            self._broadcast(tensor)
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            _broadcast(self._tensors, tensor)
             yield name, tensor
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        self._weights.broadcast([tensor], options).wait()
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    """Bridge rank 0's `tensor` into every rank's; on CUDA the caller's stream waits for it."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()

@@ -97,6 +97,21 @@ def test_staleness_1_trains_every_group_within_the_bound_and_resumes_after_a_kil
     assert (run / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL bridge needs two GPUs")
+def test_the_bridge_sends_weights_gpu_to_gpu_over_nccl(tmp_path, two_tasks, memorised):
+    """On GPUs the trainer's weights reach the inference rank's device over NCCL; the run
+    rolls out and trains every step, at staleness 1."""
+    run = tmp_path / "run"
+    ahead = (*SPLIT, "--algo.max_staleness=1", "--train.steps=3", "--train.device=cuda")
+    result = _run([*launch(2, False), *run_args(run, two_tasks, *memorised, *ahead)])
+    assert "weights over nccl" in result.stderr, result.stderr[-3000:]
+    rl = _rl(run)
+    assert [row["step"] for row in rl] == [0, 1, 2]
+    assert all(row["roots_unscored"] == 0 for row in rl), rl
+    assert (run / "final" / "model.safetensors").is_file()
+
+
 def test_a_failing_inference_rank_ends_the_run(tmp_path):
     """Its error ends the job through the launcher (the trainer waiting on the bridge for the
     step is stopped with it) instead of leaving both waiting."""

@@ -43,7 +43,7 @@ async def rl_phase(run: Run) -> None:
     """GRPO from where the run stands to `train.steps`, then the final evaluation."""
     cfg = run.cfg
     # A split world's inference ranks roll out every step (`training.split`).
-    remote = RemoteRollouts(run.world, cfg) if run.world.inference_ranks else None
+    remote = RemoteRollouts(run.world, cfg, run.device) if run.world.inference_ranks else None
     if not cfg.train.steps:
         if remote is not None:
             await remote.start(0, run.model)  # nothing to roll out: they end

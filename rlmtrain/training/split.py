@@ -116,10 +116,10 @@ def rollout_fields(metrics: RolloutMetrics | None, groups: list[RolloutGroup]) -
 class RemoteRollouts:
     """The trainers' end: every trainer rank makes one; trainer rank 0's talks to the bridge."""
 
-    def __init__(self, world: parallel.World, cfg: Config) -> None:
+    def __init__(self, world: parallel.World, cfg: Config, device: torch.device) -> None:
         self.world = world
         self.cfg = cfg
-        self.bridge = Bridge(world) if world.is_main else None
+        self.bridge = Bridge(world, device) if world.is_main else None
 
     async def start(self, first: int, model: torch.nn.Module) -> None:
         """Tell the inference ranks where RL starts; send them the policy if steps remain."""
@@ -217,7 +217,7 @@ def merged_fields(rows: list[dict[str, Any]]) -> dict[str, Any]:
 async def serve_rollouts(world: parallel.World, device: torch.device) -> int:
     """An inference rank's whole run: wait for RL to begin, then roll out every step's share
     and send it, taking each new policy as it comes."""
-    bridge = Bridge(world)
+    bridge = Bridge(world, device)
     hello: Hello = await asyncio.to_thread(bridge.broadcast)
     cfg, first, steps = hello.cfg, hello.first, hello.steps
     if first >= steps:
