@@ -366,6 +366,27 @@ def test_limits_on_trees_requests_and_workers_hold(tmp_path: Path) -> None:
     assert 1 <= peaks["workers"] <= 5
 
 
+def _held_until_queued(
+    scheduler: Scheduler, engine: SimEngine, *, calls: int, waiting: int
+) -> Scheduler:
+    """`scheduler` again, over an engine that holds each of its first `calls` calls until
+    `waiting` requests queue behind it: what the queue then holds is known, whatever the
+    timing."""
+
+    class Held(Callers):
+        served = 0
+
+        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+            self.served += 1
+            if self.served <= calls:
+                while held._requests.waiting < waiting:
+                    await asyncio.sleep(0.01)
+            return await super().generate(prompt_ids, params)
+
+    held = Scheduler(Held(engine), TOKENIZER, scheduler.config)
+    return held
+
+
 def test_deeper_requests_go_first(tmp_path: Path) -> None:
     """With one request in flight, a child's request overtakes the queued root requests."""
     order: list[str] = []
@@ -376,21 +397,10 @@ def test_deeper_requests_go_first(tmp_path: Path) -> None:
             return code("FINAL(rlm_query('child'))")
         return code(f"FINAL({query!r})")
 
-    class Held(Callers):
-        """Holds each of the first two calls until five requests wait behind it: the other
-        roots behind the first, the child and four roots behind the second."""
-
-        calls = 0
-
-        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-            self.calls += 1
-            if self.calls <= 2:
-                while scheduler._requests.waiting < 5:
-                    await asyncio.sleep(0.01)
-            return await super().generate(prompt_ids, params)
-
+    # The first two calls are held until five requests wait behind each: the other roots
+    # behind the first, the child and four roots behind the second.
     scheduler, engine = make(script, max_inflight_requests=1, max_depth=1)
-    scheduler = Scheduler(Held(engine), TOKENIZER, scheduler.config)
+    scheduler = _held_until_queued(scheduler, engine, calls=2, waiting=5)
     run(scheduler, engine, tmp_path, tasks=[Task(id="t", query="R")], n_samples=6)
     # The child arrives after the first root's REPL exec, behind the other roots. In FIFO order
     # it would run last (index 6); deeper first, it runs as soon as the request in flight ends.
@@ -410,22 +420,11 @@ def test_critical_path_serves_trees_with_more_turns_to_play_first(tmp_path: Path
         served.append(turn)
         return code("print(0)") if turn == 0 else code("FINAL('done')")
 
-    class Held(Callers):
-        """Holds the first call until the other five first turns wait, and the second until
-        the first root's second turn waits behind the last four."""
-
-        calls = 0
-
-        async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-            self.calls += 1
-            if self.calls <= 2:
-                while scheduler._requests.waiting < 5:
-                    await asyncio.sleep(0.01)
-            return await super().generate(prompt_ids, params)
-
+    # The first call is held until the other five first turns wait, the second until the first
+    # root's second turn waits behind the last four.
     config = {"max_inflight_requests": 1, "max_turns": 3, "priority": "critical_path"}
     scheduler, engine = make(script, **config)
-    scheduler = Scheduler(Held(engine), TOKENIZER, scheduler.config)
+    scheduler = _held_until_queued(scheduler, engine, calls=2, waiting=5)
     [group] = run(scheduler, engine, tmp_path, tasks=[Task(id="t", query="R")], n_samples=6)
     assert [root.answer for root in group.roots] == ["done"] * 6
     assert served[:7] == [0] * 6 + [1]

@@ -6,8 +6,8 @@ k turns played, lies on a chain of turns still to come: t's own (this one and th
 then, for each ancestor blocked in its current turn, the turns it plays once the answers are in.
 Requests on the longest chains go first, as in longest-processing-time scheduling: a step waits
 for its slowest tree, and the engine's spare room is best spent on whatever makes that tree
-shorter. Deeper requests sit under more ancestors, so today's deeper-first rule is the special
-case where every trajectory plays the same number of turns.
+shorter. A deeper request sits under more ancestors, each with turns to play after its
+children answer: the depth rule (`rollout.priority = "depth"`) orders by that count alone.
 
 The turns a trajectory plays are not known until it ends; `TurnCounts` estimates them from the
 trajectories that have already ended at the same depth (on this scheduler, over every rollout it
