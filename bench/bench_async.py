@@ -31,6 +31,10 @@ of a step runs at once the two are the same; the comparison holds each engine to
 time (`rollout.max_live_trees`), synchronous, at 4 + 4, with the four engines alike and with one
 of them at half speed (a slower card, or one shared with other work).
 
+Priority: where each engine runs at most INFLIGHT requests at once (its memory the limit, not
+the trees), the queued ones go deeper first (`rollout.priority = "depth"`) or by their tree's
+expected remaining chain of turns (`"critical_path"`), synchronous and at η = 1, 4 + 4.
+
 Reported per schedule: steps per hour, the engines' and the trainer's idle fractions, the mean
 and maximum staleness of trained tokens, groups dropped, and the share of trained tokens that
 come from trees with children against that share in the recorded trees (the bias a scheme that
@@ -79,6 +83,7 @@ from rlmtrain.rollout.scheduler import Scheduler
 from rlmtrain.training.split import RootClaims, in_tree_order
 
 TASKS, G, STEPS = 12, 8, 8
+INFLIGHT = 8  # requests an engine runs at once where its memory, not the trees, is the limit
 TRAIN_TOKENS_PER_S_PER_RANK = 12_000
 SYNC_S = 1.0
 SPLITS = [(4, 4), (2, 6)]
@@ -179,10 +184,18 @@ class SyncingSimEngine(TimedSimEngine):
 class Cluster:
     """k simulated engines, each with its scheduler, over the plans of `steps` steps;
     `live_trees`: each scheduler's `max_live_trees` (default CONFIG's, room for every root);
-    `slow`: the first engine's step time is this many times the others'."""
+    `slow`: the first engine's step time is this many times the others'; `inflight` and
+    `priority`: each scheduler's `max_inflight_requests` (default CONFIG's, room for every
+    request) and the order its queued requests go in."""
 
     def __init__(
-        self, engines: int, steps: int = STEPS, live_trees: int | None = None, slow: float = 1.0
+        self,
+        engines: int,
+        steps: int = STEPS,
+        live_trees: int | None = None,
+        slow: float = 1.0,
+        inflight: int | None = None,
+        priority: str = "depth",
     ) -> None:
         self.plans: dict[str, Plan] = {}
         for step in range(steps):
@@ -211,9 +224,11 @@ class Cluster:
             )
             for k in [slow] + [1.0] * (engines - 1)
         ]
-        config = CONFIG
+        config = msgspec.structs.replace(CONFIG, priority=priority)
         if live_trees is not None:
-            config = msgspec.structs.replace(CONFIG, max_live_trees=live_trees)
+            config = msgspec.structs.replace(config, max_live_trees=live_trees)
+        if inflight is not None:
+            config = msgspec.structs.replace(config, max_inflight_requests=inflight)
         self.schedulers = [
             Scheduler(e, TOKENIZER, config, sampling=SAMPLING, start_zygote=start_zygote)
             for e in self.engines
@@ -285,8 +300,12 @@ async def run_ahead(
     by_load: bool = False,
     live_trees: int | None = None,
     slow: float = 1.0,
+    inflight: int | None = None,
+    priority: str = "depth",
 ) -> dict[str, Any]:
-    cluster = Cluster(inference, live_trees=live_trees, slow=slow)
+    cluster = Cluster(
+        inference, live_trees=live_trees, slow=slow, inflight=inflight, priority=priority
+    )
     shares_of = [dealing.deal(TASKS, G, inference) for _ in range(STEPS)]
     claims = RootClaims(dist.HashStore())  # the split world's, on an in-process store
 
@@ -425,7 +444,15 @@ async def compare() -> dict[str, dict[str, Any]]:
         for by_load in (False, True):
             name = f"4+4 sync 8 trees{' 1 slow' if slow > 1 else ''} {DEALS[by_load]}"
             results[name] = await run_ahead(4, 4, 0, by_load=by_load, live_trees=8, slow=slow)
+    for priority in PRIORITIES:
+        for eta in (0, 1):
+            name = f"4+4 {ETAS[eta]} {INFLIGHT} requests {priority}"
+            results[name] = await run_ahead(4, 4, eta, inflight=INFLIGHT, priority=priority)
     return results
+
+
+PRIORITIES = ("depth", "critical_path")
+ETAS = {0: "sync", 1: "eta=1"}
 
 
 DEALS = {False: "equal", True: "by load"}
@@ -465,4 +492,13 @@ def test_async_schedules(benchmark) -> None:
             f"{by_load:.2f}x steps per hour"
         )
         benchmark.extra_info[f"4+4_sync_8_trees{engines.replace(' ', '_')}_by_load"] = by_load
+    for eta in ETAS.values():
+        depth, critical = (
+            results[f"4+4 {eta} {INFLIGHT} requests {p}"]["steps_per_hour"] for p in PRIORITIES
+        )
+        print(
+            f"4+4 {eta}, {INFLIGHT} requests in flight an engine: critical path / depth first = "
+            f"{critical / depth:.2f}x steps per hour"
+        )
+        benchmark.extra_info[f"4+4_{eta}_{INFLIGHT}_requests_critical_path"] = critical / depth
     benchmark.extra_info["schedules"] = results
