@@ -55,9 +55,14 @@ def phase_schedule(cfg: Config, phase: str) -> str:
 
 
 def phase_warmup(cfg: Config, phase: str) -> int:
-    if phase == "sft" and cfg.train.sft_warmup_steps >= 0:
-        return cfg.train.sft_warmup_steps
-    return cfg.train.warmup_steps
+    """The phase's warm-up steps, at most all its steps but the last: a run shortened below a
+    config's warm-up still ends each phase at its peak."""
+    train = cfg.train
+    asked = train.warmup_steps
+    if phase == "sft" and train.sft_warmup_steps >= 0:
+        asked = train.sft_warmup_steps
+    steps = train.sft_steps if phase == "sft" else train.steps
+    return min(asked, max(steps - 1, 0))
 
 
 def lr_at(cfg: Config, phase: str, step: int) -> float:

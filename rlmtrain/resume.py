@@ -50,18 +50,29 @@ def schedules(cfg: Config) -> dict[str, float | int | str]:
     return values
 
 
-def _rl_length_free(values: dict[str, float | int | str]) -> bool:
+def _rl_length_free(
+    recorded: dict[str, float | int | str], wanted: dict[str, float | int | str]
+) -> bool:
     """Whether nothing the RL phase does depends on its length: a constant LR (a warm-up
     counts steps from the start, not to the end) and no exploration bonus, whose weight decays
-    over `train.steps`. A run may then be resumed with more or fewer RL steps."""
-    schedule = values["train.lr_schedule"]
-    return schedule == "constant" and not values["algo.exploration_beta"]
+    over `train.steps`. A run may then be resumed with more or fewer RL steps, unless one of
+    the two lengths cuts the warm-up short where the other does not (a phase shorter than its
+    warm-up warms up over all its steps but its last); a run recorded with no RL steps has
+    followed no RL schedule at all."""
+    warmup = int(wanted["train.warmup_steps"])
+    before, after = int(recorded.get("train.steps", 0)), int(wanted["train.steps"])
+    same_warmup = before == 0 or min(warmup, before - 1) == min(warmup, after - 1)
+    return (
+        wanted["train.lr_schedule"] == "constant"
+        and not wanted["algo.exploration_beta"]
+        and same_warmup
+    )
 
 
 def _check_schedules(
     checkpoint: Path, recorded: dict[str, float | int | str], wanted: dict[str, float | int | str]
 ) -> None:
-    free = {"train.steps"} if _rl_length_free(wanted) else set()
+    free = {"train.steps"} if _rl_length_free(recorded, wanted) else set()
     changed = [
         f"{key}={recorded[key]!r} (the config says {wanted[key]!r})"
         for key in SCHEDULE_KEYS

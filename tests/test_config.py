@@ -149,8 +149,6 @@ PREFLIGHT_CASES = [
     (["--algo.updates_per_batch=2", "--algo.clip_low=0", "--algo.clip_high=0"],
      "algo.updates_per_batch"),
     (["--train.adam_betas=[0.9]"], "train.adam_betas"),
-    (["--train.warmup_steps=400"], "train.warmup_steps"),
-    (["--train.sft_warmup_steps=400"], "train.sft_warmup_steps"),
     (["--train.sft_lr_schedule=same", "--train.min_lr_ratio=0.1"], "train.min_lr_ratio"),
     (["--algo.child_credit=answered", "--rollout.max_depth=0"], "algo.child_credit"),
     (["--algo.step_rewards=off", "--algo.step_reward_baseline=group"],

@@ -7,6 +7,7 @@ import torch
 
 from rlmtrain.config import load_config
 from rlmtrain.optim import build_optimizer, lr_at
+from rlmtrain.resume import _rl_length_free
 
 
 def _config(**train):
@@ -61,6 +62,13 @@ def test_sft_warmup_steps_gives_sft_its_own_warmup():
     assert lr_at(own, "sft", 0) == pytest.approx(3e-3 / 2) and lr_at(own, "rl", 0) == 3e-4
 
 
+def test_a_phase_shorter_than_its_warmup_ends_at_its_peak():
+    """A run shortened below the config's warm-up warms up over all its steps but the last."""
+    cfg = _config(sft_steps=3, steps=1, warmup_steps=4)
+    assert [lr_at(cfg, "sft", s) for s in range(3)] == pytest.approx([1e-3, 2e-3, 3e-3])
+    assert lr_at(cfg, "rl", 0) == 3e-4
+
+
 def test_same_follows_lr_schedule():
     cfg = _config(sft_steps=9, steps=5, lr_schedule="linear", sft_lr_schedule="same")
     assert lr_at(cfg, "sft", 8) == 0.0 and lr_at(cfg, "rl", 4) == 0.0
@@ -77,3 +85,16 @@ def test_each_phase_builds_adam_with_its_own_epsilon_and_peak():
     assert build_optimizer(model, _config(sft_adam_eps=0.0), "sft").defaults["eps"] == (
         cfg.train.adam_eps
     )
+
+
+def test_rl_length_is_free_unless_it_moves_a_cut_warmup():
+    """A resume may change train.steps where the RL schedule does not depend on it; a warm-up
+    cut short by one length and not by the other makes it depend."""
+    def values(steps: int) -> dict:
+        return {"train.steps": steps, "train.warmup_steps": 4, "train.lr_schedule": "constant",
+                "algo.exploration_beta": 0.0}  # fmt: skip
+
+    assert _rl_length_free(values(24), values(48))
+    assert _rl_length_free(values(0), values(2))  # no RL step taken under the recorded length
+    assert not _rl_length_free(values(2), values(24))  # warm-up 1 step, then 4
+    assert _rl_length_free(values(5), values(24))  # 4 either way

@@ -108,16 +108,6 @@ def preflight(config: Config) -> str:
             f"{train.adam_betas} must be two numbers in [0, 1)",
         ),
         (
-            "train.warmup_steps",
-            train.warmup_steps == 0 or train.warmup_steps < max(train.steps, train.sft_steps),
-            f"{train.warmup_steps} warm-up steps leave no step at the peak LR in either phase",
-        ),
-        (
-            "train.sft_warmup_steps",
-            train.sft_warmup_steps <= 0 or train.sft_warmup_steps < train.sft_steps,
-            f"{train.sft_warmup_steps} warm-up steps leave SFT no step at its peak LR",
-        ),
-        (
             "train.min_lr_ratio",
             train.min_lr_ratio == 0
             or train.lr_schedule != "constant"

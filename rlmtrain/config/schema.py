@@ -329,7 +329,12 @@ class TrainConfig(Section):
         _doc("LR schedule of the SFT phase alone; 'same' = lr_schedule"),
     ] = "same"
     warmup_steps: Annotated[
-        int, _doc("steps of linear LR warm-up at the start of each phase", ge=0)
+        int,
+        _doc(
+            "steps of linear LR warm-up at the start of each phase (at most all of a phase's "
+            "steps but its last)",
+            ge=0,
+        ),
     ] = 0
     sft_warmup_steps: Annotated[
         int, _doc("steps of LR warm-up of the SFT phase alone; -1 = warmup_steps", ge=-1)
