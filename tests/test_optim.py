@@ -90,6 +90,7 @@ def test_each_phase_builds_adam_with_its_own_epsilon_and_peak():
 def test_rl_length_is_free_unless_it_moves_a_cut_warmup():
     """A resume may change train.steps where the RL schedule does not depend on it; a warm-up
     cut short by one length and not by the other makes it depend."""
+
     def values(steps: int) -> dict:
         return {"train.steps": steps, "train.warmup_steps": 4, "train.lr_schedule": "constant",
                 "algo.exploration_beta": 0.0}  # fmt: skip
