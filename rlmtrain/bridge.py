@@ -51,7 +51,8 @@ class Bridge:
         self.device = device
         self._objects = self._gloo(store, "bridge/objects/")
         self._groups = self._gloo(store, "bridge/groups/")
-        if device.type == "cuda":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = _WAIT
             self._tensors = dist.ProcessGroupNCCL(
@@ -60,7 +61,6 @@ class Bridge:
         else:
             self._tensors = self._gloo(store, "bridge/tensors/")
         if self.rank == 0:
-            backend = "nccl" if device.type == "cuda" else "gloo"
             log.info("bridge to %d inference ranks: weights over %s", self.size - 1, backend)
 
     def _gloo(self, store: Any, prefix: str) -> dist.ProcessGroup:

@@ -54,22 +54,28 @@ def phase_schedule(cfg: Config, phase: str) -> str:
     return cfg.train.lr_schedule
 
 
-def phase_warmup(cfg: Config, phase: str) -> int:
-    """The phase's warm-up steps, at most all its steps but the last: a run shortened below a
-    config's warm-up still ends each phase at its peak."""
-    train = cfg.train
-    asked = train.warmup_steps
-    if phase == "sft" and train.sft_warmup_steps >= 0:
-        asked = train.sft_warmup_steps
-    steps = train.sft_steps if phase == "sft" else train.steps
+def phase_steps(cfg: Config, phase: str) -> int:
+    return cfg.train.sft_steps if phase == "sft" else cfg.train.steps
+
+
+def warmup_within(asked: int, steps: int) -> int:
+    """A warm-up of `asked` steps in a phase of `steps`: at most all its steps but the last, so
+    a run shortened below a config's warm-up still ends each phase at its peak."""
     return min(asked, max(steps - 1, 0))
+
+
+def phase_warmup(cfg: Config, phase: str) -> int:
+    asked = cfg.train.warmup_steps
+    if phase == "sft" and cfg.train.sft_warmup_steps >= 0:
+        asked = cfg.train.sft_warmup_steps
+    return warmup_within(asked, phase_steps(cfg, phase))
 
 
 def lr_at(cfg: Config, phase: str, step: int) -> float:
     """The LR of 0-based `step` of `phase` ("sft" | "rl")."""
     train = cfg.train
     peak = phase_peak_lr(cfg, phase)
-    steps = train.sft_steps if phase == "sft" else train.steps
+    steps = phase_steps(cfg, phase)
     warmup = phase_warmup(cfg, phase)
     if step < warmup:
         return peak * (step + 1) / (warmup + 1)
