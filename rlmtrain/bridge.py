@@ -61,7 +61,13 @@ class Bridge:
         else:
             self._tensors = self._gloo(store, "bridge/tensors/")
         if self.rank == 0:
-            log.info("bridge to %d inference ranks: weights over %s", self.size - 1, backend)
+            ranks = self.size - 1
+            log.info(
+                "bridge to %d inference rank%s: weights over %s",
+                ranks,
+                "" if ranks == 1 else "s",
+                backend,
+            )
 
     def _gloo(self, store: Any, prefix: str) -> dist.ProcessGroup:
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), self.rank, self.size, _WAIT)

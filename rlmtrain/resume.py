@@ -18,6 +18,7 @@ import torch
 from rlmtrain import checkpointing
 from rlmtrain.config import Config
 from rlmtrain.model import CheckpointError
+from rlmtrain.optim import warmup_within
 from rlmtrain.run_folder import RunFolder
 
 log = logging.getLogger("rlmtrain.train")
@@ -61,7 +62,7 @@ def _rl_length_free(
     followed no RL schedule at all."""
     warmup = int(wanted["train.warmup_steps"])
     before, after = int(recorded.get("train.steps", 0)), int(wanted["train.steps"])
-    same_warmup = before == 0 or min(warmup, before - 1) == min(warmup, after - 1)
+    same_warmup = before == 0 or warmup_within(warmup, before) == warmup_within(warmup, after)
     return (
         wanted["train.lr_schedule"] == "constant"
         and not wanted["algo.exploration_beta"]
