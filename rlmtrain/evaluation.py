@@ -293,6 +293,14 @@ async def evaluate(
     return await report(cfg, env, tasks, groups, seconds=time.perf_counter() - began)
 
 
+def trees_per_task(cfg: Config, phase: str) -> int:
+    """k, the trees an evaluation samples per task: `eval.init_samples` at "init" when set,
+    else `eval.samples`."""
+    if phase == "init" and cfg.eval.init_samples:
+        return cfg.eval.init_samples
+    return cfg.eval.samples
+
+
 def evaluated_tasks(cfg: Config, tasks: Sequence[Any]) -> list[Any]:
     """The held-out tasks an evaluation rolls out: the first `eval.tasks` when > 0."""
     chosen = list(tasks[: cfg.eval.tasks] if cfg.eval.tasks > 0 else tasks)
@@ -308,12 +316,13 @@ async def roll_out(
     tasks: Sequence[Any],
     engine: Engine,
     *,
+    per_task: int | None = None,
     samples: Sequence[Sequence[int]] | None = None,
     progress: bool = False,
 ) -> list[RolloutGroup]:
-    """The evaluation's trees of `tasks` on `engine` (serving the policy): `eval.samples` roots
-    a task, or the indices `samples` names (a share of them dealt to this rank), seeded by
-    `eval.seed` so a root is the same tree on any engine."""
+    """The evaluation's trees of `tasks` on `engine` (serving the policy): `per_task` roots a
+    task (default `eval.samples`), or the indices `samples` names (a share of them dealt to this
+    rank), seeded by `eval.seed` so a root is the same tree on any engine."""
     from rlmtrain.rollout.engine import SamplingParams
     from rlmtrain.rollout.scheduler import Scheduler
 
@@ -321,30 +330,38 @@ async def roll_out(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.eval.seed
     )
     scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
+    k = cfg.eval.samples if per_task is None else per_task
     bar = None
     if progress:
         from rlmtrain.rollout.progress import RolloutProgress
 
-        trees = len(tasks) * cfg.eval.samples if samples is None else sum(map(len, samples))
+        trees = len(tasks) * k if samples is None else sum(map(len, samples))
         bar = RolloutProgress(trees, engine)
         scheduler.on_tree_done = bar.tree_done
     try:
-        return await scheduler.rollout(tasks, env, cfg.eval.samples, samples=samples)
+        return await scheduler.rollout(tasks, env, k, samples=samples)
     finally:
         if bar is not None:
             bar.close()
 
 
 async def report(
-    cfg: Config, env: Env, tasks: Sequence[Any], groups: list[RolloutGroup], *, seconds: float
+    cfg: Config,
+    env: Env,
+    tasks: Sequence[Any],
+    groups: list[RolloutGroup],
+    *,
+    seconds: float,
+    per_task: int | None = None,
 ) -> dict[str, Any]:
-    """The evaluation's report of whole groups: the roots scored by `env`, `summarize`d."""
+    """The evaluation's report of whole groups of `per_task` roots (default `eval.samples`):
+    the roots scored by `env`, `summarize`d."""
     scores = await env.root_scores(tasks, groups)
     return summarize(
         tasks,
         groups,
         scores,
-        samples=cfg.eval.samples,
+        samples=cfg.eval.samples if per_task is None else per_task,
         seconds=seconds,
         tools=env.tool_names(),
         pass_metric=env.pass_metric,

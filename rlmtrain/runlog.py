@@ -242,19 +242,24 @@ class RunLog:
 
     def summary_table(self) -> str:
         """The evaluations as an aligned plain-text table, in the order they ran; '' if none.
-        The pass@k header takes k from the reports' "pass_k", else `eval.samples`."""
+        The pass@k header takes k from the last report's "pass_k", else `eval.samples`; a row
+        sampled with another k (`eval.init_samples`) names its own, as in "0.000 @1"."""
         if not self._evals:
             return ""
         with_pass = any("pass_at_k" in report for _, report in self._evals)
         header = ["stage", "step", "held-out reward"]
-        k = next((r["pass_k"] for _, r in self._evals if "pass_k" in r), self._cfg.eval.samples)
+        ks = [r["pass_k"] for _, r in self._evals if "pass_k" in r]
+        k = ks[-1] if ks else self._cfg.eval.samples
         header += [f"pass@{k}"] if with_pass else []
         header += ["spawn rate", "multi-paper spawn", "children/root", "tasks"]
         columns = ("spawn_rate", "spawn_rate_multi", "children_per_root", "tasks")
         lines = [header]
         for position, report in self._evals:
             cells = [self._stage(report), str(position), _cell(report.get("reward_mean"))]
-            cells += [_cell(report.get("pass_at_k"))] if with_pass else []
+            if with_pass:
+                own = report.get("pass_k", k)
+                cell = _cell(report.get("pass_at_k"))
+                cells.append(cell if own == k else f"{cell} @{own}")
             cells += [_cell(report.get(k)) for k in columns]
             lines.append(cells)
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]

@@ -350,6 +350,16 @@ def test_summary_table_names_the_reports_k(tmp_path):
     assert "pass@4" in run.summary_table() and "pass@1" not in run.summary_table()
 
 
+def test_summary_table_names_a_rows_own_k_where_it_differs(tmp_path):
+    run = RunLog(make_config(tmp_path), tmp_path)
+    run.eval(eval_report("init", 0, 0.0, pass_at_k=0.0, pass_k=1))
+    run.eval(eval_report("final", 4, 0.5, pass_at_k=0.75, pass_k=8))
+    header, _, init, final = run.summary_table().splitlines()
+    assert "pass@8" in header and "pass@1" not in header
+    assert init.split()[2:5] == ["0.000", "0.000", "@1"]
+    assert final.split()[3:5] == ["0.500", "0.750"] and "@" not in final
+
+
 def test_summary_table_without_pass_at_k_has_no_such_column(tmp_path):
     run = RunLog(make_config(tmp_path), tmp_path)
     run.eval(eval_report("init", 0, 0.5))

@@ -92,6 +92,8 @@ def test_short_default_is_deterministic(two_runs):
     assert curve == _curve(b)
     evals = [json.loads(line) for line in (a / "eval.jsonl").read_text().splitlines()]
     assert [e["phase"] for e in evals] == ["init", "sft", "rl", "final"]
+    trees = [e["roots"] // e["tasks"] for e in evals]
+    assert trees == [1, 8, 8, 8], "eval.init_samples = 1 at init, eval.samples = 8 after"
     for report in evals:
         assert {"step", "reward_mean", "tasks", "children_per_root", "spawn_rate"} <= set(report)
 

@@ -423,6 +423,14 @@ class EvalConfig(Section):
 
     tasks: Annotated[int, _doc("held-out tasks evaluated; 0 = every held-out task", ge=0)] = 0
     samples: Annotated[int, _doc("k: trees sampled per task (pass@k)", ge=1)] = 1
+    init_samples: Annotated[
+        int,
+        _doc(
+            "trees per task at the evaluation before any training; 0 = eval.samples (a model "
+            "trained from scratch answers nothing there, so one tree a task says as much)",
+            ge=0,
+        ),
+    ] = 0
     every: Annotated[
         int,
         _doc("evaluate every N RL steps (also at init, after SFT and at the end); 0 = off", ge=0),

@@ -19,7 +19,7 @@ import torch
 from rlmtrain import checkpointing, parallel
 from rlmtrain.config import Config
 from rlmtrain.envs.base import Env, Task
-from rlmtrain.evaluation import evaluated_tasks, report, roll_out
+from rlmtrain.evaluation import evaluated_tasks, report, roll_out, trees_per_task
 from rlmtrain.model import Transformer, save_hf
 from rlmtrain.model.bpe import tokenizer_files
 from rlmtrain.model.hf import hf_named
@@ -113,7 +113,8 @@ class Run:
         await self.sync()
         began = time.perf_counter()
         tasks = evaluated_tasks(self.cfg, self.tasks.held_out)
-        shares = dealing.deal(len(tasks), self.cfg.eval.samples, self.world.size)
+        per_task = trees_per_task(self.cfg, phase)
+        shares = dealing.deal(len(tasks), per_task, self.world.size)
         mine = shares[self.world.rank]
         rolled = (
             await roll_out(
@@ -122,6 +123,7 @@ class Run:
                 self.env,
                 [tasks[task] for task, _ in mine],
                 self.engine,
+                per_task=per_task,
                 samples=[samples for _, samples in mine],
             )
             if mine
@@ -132,7 +134,12 @@ class Run:
         if everyone is not None:
             groups = dealing.merge(tasks, range(len(tasks)), everyone)
             figures = await report(
-                self.cfg, self.env, tasks, groups, seconds=time.perf_counter() - began
+                self.cfg,
+                self.env,
+                tasks,
+                groups,
+                seconds=time.perf_counter() - began,
+                per_task=per_task,
             )
             figures = {"phase": phase, "step": step, **figures}
             self.runlog.eval(figures)
