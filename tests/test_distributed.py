@@ -168,6 +168,7 @@ SHORT = (
     "--rollout.max_new_tokens=48",
     "--eval.every=1",
     "--eval.tasks=1",
+    "--eval.init_samples=2",  # two roots at init too, one for each rank's engine
     "--logging.progress=false",
     "--checkpoint.every=2",
 )
