@@ -286,11 +286,15 @@ async def evaluate(
     try:
         if owned:
             await engine.update_weights(named_hf_tensors(model))
-        groups = await roll_out(cfg, tokenizer, env, tasks, engine, progress=progress)
+        groups = await roll_out(
+            cfg, tokenizer, env, tasks, engine, per_task=cfg.eval.samples, progress=progress
+        )
     finally:
         if owned:
             await engine.close()
-    return await report(cfg, env, tasks, groups, seconds=time.perf_counter() - began)
+    return await report(
+        cfg, env, tasks, groups, seconds=time.perf_counter() - began, per_task=cfg.eval.samples
+    )
 
 
 def trees_per_task(cfg: Config, phase: str) -> int:
@@ -316,13 +320,13 @@ async def roll_out(
     tasks: Sequence[Any],
     engine: Engine,
     *,
-    per_task: int | None = None,
+    per_task: int,
     samples: Sequence[Sequence[int]] | None = None,
     progress: bool = False,
 ) -> list[RolloutGroup]:
     """The evaluation's trees of `tasks` on `engine` (serving the policy): `per_task` roots a
-    task (default `eval.samples`), or the indices `samples` names (a share of them dealt to this
-    rank), seeded by `eval.seed` so a root is the same tree on any engine."""
+    task (`trees_per_task`), or the indices `samples` names (a share of them dealt to this rank),
+    seeded by `eval.seed` so a root is the same tree on any engine."""
     from rlmtrain.rollout.engine import SamplingParams
     from rlmtrain.rollout.scheduler import Scheduler
 
@@ -330,16 +334,15 @@ async def roll_out(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=cfg.eval.seed
     )
     scheduler = Scheduler(engine, tokenizer, cfg.rollout, sampling=sampling)
-    k = cfg.eval.samples if per_task is None else per_task
     bar = None
     if progress:
         from rlmtrain.rollout.progress import RolloutProgress
 
-        trees = len(tasks) * k if samples is None else sum(map(len, samples))
+        trees = len(tasks) * per_task if samples is None else sum(map(len, samples))
         bar = RolloutProgress(trees, engine)
         scheduler.on_tree_done = bar.tree_done
     try:
-        return await scheduler.rollout(tasks, env, k, samples=samples)
+        return await scheduler.rollout(tasks, env, per_task, samples=samples)
     finally:
         if bar is not None:
             bar.close()
@@ -352,16 +355,16 @@ async def report(
     groups: list[RolloutGroup],
     *,
     seconds: float,
-    per_task: int | None = None,
+    per_task: int,
 ) -> dict[str, Any]:
-    """The evaluation's report of whole groups of `per_task` roots (default `eval.samples`):
-    the roots scored by `env`, `summarize`d."""
+    """The evaluation's report of whole groups of `per_task` roots: the roots scored by
+    `env`, `summarize`d."""
     scores = await env.root_scores(tasks, groups)
     return summarize(
         tasks,
         groups,
         scores,
-        samples=cfg.eval.samples if per_task is None else per_task,
+        samples=per_task,
         seconds=seconds,
         tools=env.tool_names(),
         pass_metric=env.pass_metric,

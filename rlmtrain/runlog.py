@@ -260,7 +260,7 @@ class RunLog:
                 own = report.get("pass_k", k)
                 cell = _cell(report.get("pass_at_k"))
                 cells.append(cell if own == k else f"{cell} @{own}")
-            cells += [_cell(report.get(k)) for k in columns]
+            cells += [_cell(report.get(column)) for column in columns]
             lines.append(cells)
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         rows = [
