@@ -1,4 +1,5 @@
-"""REPL workers: session start, exec round trip, memory per idle worker, sessions per 8 GiB.
+"""REPL workers: session start, exec round trip, memory per idle worker, sessions per 8 GiB;
+the start of a zygote's process beside a large trainer.
 
 One zygote holds a 100 MB context (a str, as an environment's document would be). Figures:
 - session start = `await zygote.session()`: fork from the zygote, jail, first `Ready` frame;
@@ -8,6 +9,8 @@ One zygote holds a 100 MB context (a str, as an environment's document would be)
   shared with the zygote and its siblings;
 - sessions per 8 GiB: extrapolated as (8 GiB - zygote RSS) / mean USS; 200 are started, not
   thousands, to stay polite on a shared machine.
+- a child's start beside a 1.5 GB trainer under uvloop: the REPL's `Child.start` (vfork)
+  against the loop's own subprocess start (fork), start to exit of `/bin/true`.
 Targets: start p50 <= 10 ms, round trip p50 <= 1 ms, >= 500 sessions in 8 GiB.
 
     python -m pytest bench/bench_repl.py --benchmark-only -s
@@ -21,8 +24,11 @@ import time
 
 import numpy as np
 import pytest
+import torch
+import uvloop
 
 from rlmtrain.rlm.repl import ReplLimits, Zygote
+from rlmtrain.rlm.spawn import Child
 
 CONTEXT_BYTES = 100 << 20
 IDLE_WORKERS = 200
@@ -147,4 +153,49 @@ def test_memory_per_idle_worker(benchmark, loop_and_zygote):
         f"({figures['context_mb']} MB context): USS mean {figures['uss_mean_mib']:.2f} MiB "
         f"(max {figures['uss_max_mib']:.2f}), PSS mean {figures['pss_mean_mib']:.2f} MiB; "
         f"sessions in 8 GiB, extrapolated from USS: {fit} (target >= 500)"
+    )
+
+
+TRAINER_BYTES = 3 << 29
+SPAWN_ROUNDS = 20
+
+
+def test_child_start_beside_a_large_trainer(benchmark):
+    """A child's start from a process holding 1.5 GB (a trainer with its model and KV cache),
+    under uvloop as the trainer runs: `Child.start` (Popen, vfork) against uvloop's own
+    subprocess start (libuv, fork), each to the exit of `/bin/true`."""
+    # Written, so resident; a torch tensor as the trainer's memory is: numpy's large arrays ask
+    # for huge pages, whose page tables a fork copies in a tenth of the time.
+    held = torch.ones(TRAINER_BYTES // 4)
+    loop = uvloop.new_event_loop()
+
+    async def through_child():
+        await Child.start(["/bin/true"]).wait()
+
+    async def through_the_loop():
+        await (await asyncio.create_subprocess_exec("/bin/true")).wait()
+
+    def timed(start) -> list[float]:
+        samples = []
+        for _ in range(SPAWN_ROUNDS):
+            began = time.perf_counter()
+            loop.run_until_complete(start())
+            samples.append(time.perf_counter() - began)
+        return samples
+
+    try:
+        forked = timed(through_the_loop)
+        vforked = benchmark.pedantic(lambda: timed(through_child), rounds=1, iterations=1)
+    finally:
+        loop.close()
+    figures = {
+        "resident_mb": held.numel() * 4 >> 20,
+        "child_start_p50_ms": np.percentile(vforked, 50) * 1e3,
+        "uvloop_start_p50_ms": np.percentile(forked, 50) * 1e3,
+    }
+    benchmark.extra_info.update(figures)
+    print(
+        f"\nstart to exit of /bin/true from a process holding {figures['resident_mb']} MB, "
+        f"under uvloop: Child.start (vfork) p50 {figures['child_start_p50_ms']:.1f} ms, "
+        f"uvloop's subprocess (fork) p50 {figures['uvloop_start_p50_ms']:.1f} ms"
     )

@@ -15,9 +15,10 @@ exec; `sys.exit`, `exit()` and KeyboardInterrupt come back as errors and the ses
 
 Design (process side in `rlmtrain.rlm.worker`, jail in `csrc/jail.c`):
 - The zygote is a fresh interpreter (`python -I -m rlmtrain.rlm.worker`), never a fork of the
-  multithreaded trainer. It loads the tools and the context once; every session is a fork of it,
-  so workers share the context copy-on-write. The zygote gets a scrubbed environment: the
-  trainer's API keys never reach model code.
+  multithreaded trainer, and started with vfork() (`rlm/spawn.py`): a fork() would first copy
+  the page tables of the whole trainer. It loads the tools and the context once; every session
+  is a fork of it, so workers share the context copy-on-write. The zygote gets a scrubbed
+  environment: the trainer's API keys never reach model code.
 - Everything here is asyncio-native, with no thread per worker: the zygote's control socket is
   read by a loop reader (it carries pidfds as SCM_RIGHTS), each worker's socket is a
   StreamReader/StreamWriter pair, and a worker's exit is awaited on its pidfd.
@@ -56,6 +57,7 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -85,6 +87,7 @@ from rlmtrain.rlm.protocol import (
     WorkerLimits,
     encode_frame,
 )
+from rlmtrain.rlm.spawn import Child
 from rlmtrain.rlm.teardown import disk_usage, remove_tree, unlinked_open_bytes
 
 __all__ = ["DEFAULT_PRELOAD", "ExecResult", "QueryHandler", "ReplLimits", "Session", "Zygote"]
@@ -263,7 +266,7 @@ def _uid_block_start(zygote_pid: int, uid_map: str = "/proc/self/uid_map") -> in
 class Zygote:
     """One per task context: tools imported and context loaded once, then a fork per session."""
 
-    def __init__(self, *, process: asyncio.subprocess.Process, limits: ReplLimits, temp_root: str):
+    def __init__(self, *, process: Child, limits: ReplLimits, temp_root: str):
         self._process = process
         self.limits = limits
         self.temp_root = temp_root
@@ -298,16 +301,18 @@ class Zygote:
             )
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-m",
-                "rlmtrain.rlm.worker",
-                str(theirs.fileno()),
-                str(os.getpid()),
+            process = Child.start(
+                [
+                    sys.executable,
+                    "-I",
+                    "-m",
+                    "rlmtrain.rlm.worker",
+                    str(theirs.fileno()),
+                    str(os.getpid()),
+                ],
                 pass_fds=[theirs.fileno()],
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
                 env=_worker_env(),
                 start_new_session=True,
             )
