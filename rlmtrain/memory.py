@@ -8,7 +8,8 @@ high-water mark, which cannot be reset). A step row carries every
 rank's figures for each mark, and their maximum over ranks for the curves.
 
 Estimated (`estimate`, `check_fits`): per rank, the model states (fp32 masters, fp32 gradients,
-AdamW's two fp32 moments: 16 bytes a parameter, divided over the ranks a model is sharded on),
+AdamW's two fp32 moments: 16 bytes a parameter, divided over the ranks a model is sharded on;
+8 with `train.optimizer_offload`, whose moments are in host memory),
 a KL reference's fp32 shards, the weights FSDP2 gathers (the root unit with its whole fp32
 gradient, and two decoder blocks in the compute dtype), the activations of one micro-batch of
 `algo.micro_batch_tokens`, AdamW's step temporaries, and the engine's share (vLLM:
@@ -84,6 +85,8 @@ class Estimate:
     """Bytes per rank at the two moments that matter."""
 
     states: int
+    host: int
+    """AdamW's moments in host memory (`train.optimizer_offload`), not on the card."""
     reference: int
     gathered: int
     activations: int
@@ -114,6 +117,8 @@ class Estimate:
             f"engine {self.engine / GIB:.1f}"
             + (" (asleep while training)" if self.colocated else ""),
         ]
+        if self.host:
+            parts.append(f"AdamW moments in host memory {self.host / GIB:.1f}")
         return f"~{self.peak / GIB:.1f} GiB a rank ({', '.join(parts)} GiB)"
 
 
@@ -147,13 +152,22 @@ def estimate(cfg: Config, args: ModelArgs, world_size: int, card_bytes: int) -> 
     else:
         kv = cfg.rollout.kv_cache_tokens * args.num_layers * 2 * kv_width
         engine = (parameters + kv) * compute_bytes
+    if cfg.train.optimizer_offload:
+        # One parameter's moments on the device at a time, and the step's temporary the size of
+        # one: the largest is an embedding.
+        host = 8 * parameters // shard_ranks
+        optimizer_step = 12 * args.vocab_size * args.hidden_size // shard_ranks
+    else:
+        host = 0
+        # AdamW's multi-tensor step holds fp32 temporaries the size of the shards it updates.
+        optimizer_step = 4 * parameters // shard_ranks
     return Estimate(
-        states=16 * parameters // shard_ranks,
+        states=16 * parameters // shard_ranks - host,
+        host=host,
         reference=4 * parameters // shard_ranks if cfg.algo.kl_beta > 0 else 0,
         gathered=gathered,
         activations=activations,
-        # AdamW's multi-tensor step holds fp32 temporaries the size of the shards it updates.
-        optimizer_step=4 * parameters // shard_ranks,
+        optimizer_step=optimizer_step,
         engine=engine,
         colocated=cfg.rollout.colocate,
     )
@@ -168,7 +182,8 @@ def check_fits(cfg: Config, args: ModelArgs, world_size: int, device: torch.devi
         raise ConfigError(
             f"memory: this run needs {guess.describe()} on a {card / GIB:.0f} GiB card; shard "
             "over more ranks, lower algo.micro_batch_tokens, set model.activation_checkpointing "
-            "or rollout.colocate, or lower rollout.gpu_memory_utilization"
+            "or rollout.colocate, set train.optimizer_offload, or lower "
+            "rollout.gpu_memory_utilization"
         )
     return guess
 

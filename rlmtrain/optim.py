@@ -11,6 +11,11 @@ steps: `warmup_steps` of linear warm-up from peak / (warmup + 1), then the peak 
 LR settles instead of spiking at a high constant one, while RL keeps a constant LR;
 `sft_warmup_steps` likewise gives SFT a warm-up of its own, so RL's first updates (on a fresh
 AdamW whose second moments are one batch old) can ramp up while SFT keeps its start.
+
+`train.optimizer_offload` keeps AdamW's two moments, 8 of the 16 bytes a parameter of a rank's
+model states, in host memory (`HostAdamW`): the step brings one parameter's moments to the
+device at a time, updates them with torch's own AdamW kernel, and writes them back, so the card
+holds the masters and gradients and, for the step, one parameter's moments.
 """
 
 from __future__ import annotations
@@ -18,15 +23,19 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 from rlmtrain.config import Config
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, phase: str) -> torch.optim.AdamW:
-    """A fresh AdamW for `phase` ("sft" | "rl"): its peak LR and its epsilon."""
+def build_optimizer(model: torch.nn.Module, cfg: Config, phase: str) -> torch.optim.Optimizer:
+    """A fresh AdamW for `phase` ("sft" | "rl"): its peak LR and its epsilon; its moments in
+    host memory with `train.optimizer_offload`."""
     train = cfg.train
     beta1, beta2 = train.adam_betas
-    return torch.optim.AdamW(
+    kind = HostAdamW if train.optimizer_offload else torch.optim.AdamW
+    return kind(
         model.parameters(),
         lr=phase_peak_lr(cfg, phase),
         betas=(beta1, beta2),
@@ -34,6 +43,97 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, phase: str) -> torch.op
         weight_decay=train.weight_decay,
         fused=train.adam_fused,
     )
+
+
+class HostAdamW(torch.optim.Optimizer):
+    """AdamW with its two moments in host memory, pinned when the parameters are on CUDA.
+
+    Each step goes parameter by parameter: the moments are copied to the parameter's device,
+    updated with the parameter by torch's AdamW (`torch.optim.adam.adam` with decoupled weight
+    decay, fused or single-tensor as `fused` says: the numbers of `torch.optim.AdamW` with the
+    same flag), and copied back. The state keeps torch AdamW's keys, and for a sharded parameter
+    its moments are DTensors of the parameter's layout over host memory, so the DCP checkpoint
+    saves and reshards them as it does AdamW's. Loading a state dict puts them back in host
+    memory (torch's loader first moves them to the parameters' device, one model's moments for a
+    moment)."""
+
+    def __init__(self, params, *, lr, betas, eps, weight_decay, fused=False):
+        super().__init__(
+            params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+        )
+        self.register_load_state_dict_post_hook(_moments_to_host)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("HostAdamW.step takes no closure")
+        on_cuda = False
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                local = _local(param)
+                on_cuda |= local.is_cuda
+                state = self.state[param]
+                if not state:
+                    # torch keeps the step count on the device for its fused kernel, else on
+                    # the CPU, as a float32 scalar: the same layout checkpoints the same way.
+                    where = local.device if group["fused"] else torch.device("cpu")
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=where)
+                    state["exp_avg"] = _host_zeros_like(param)
+                    state["exp_avg_sq"] = _host_zeros_like(param)
+                moments = [_local(state[key]) for key in ("exp_avg", "exp_avg_sq")]
+                on_device = [m.to(local.device, non_blocking=True) for m in moments]
+                adam(
+                    [local],
+                    [_local(param.grad)],
+                    [on_device[0]],
+                    [on_device[1]],
+                    [],
+                    [state["step"]],
+                    foreach=False,
+                    fused=group["fused"],
+                    decoupled_weight_decay=True,
+                    amsgrad=False,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=False,
+                )
+                for host, updated in zip(moments, on_device, strict=True):
+                    if host is not updated:
+                        host.copy_(updated, non_blocking=True)
+        if on_cuda:
+            # The copies back to pinned memory are asynchronous: the host must not read the
+            # moments (a checkpoint) before they land.
+            torch.cuda.current_stream().synchronize()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _host_zeros_like(param: torch.Tensor) -> torch.Tensor:
+    local = _local(param)
+    host = torch.zeros(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
+    if isinstance(param, DTensor):
+        # DTensor.from_local would move the host tensor to the mesh's device; FSDP2 builds its
+        # own CPU-offloaded shards the same way, from the local tensor and the layout.
+        return DTensor(host, param._spec, requires_grad=False)
+    return host
+
+
+def _moments_to_host(optimizer: HostAdamW) -> None:
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = state.get(key)
+            if moment is not None and _local(moment).device.type != "cpu":
+                host = _host_zeros_like(moment)
+                _local(host).copy_(_local(moment))
+                state[key] = host
 
 
 def phase_peak_lr(cfg: Config, phase: str) -> float:

@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--kl-beta", type=float, default=0.0)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--replicate", type=int, default=1)
+    parser.add_argument("--optimizer-offload", action="store_true")
     args = parser.parse_args()
 
     world, device = parallel.start("cpu")
@@ -108,7 +109,12 @@ def main() -> None:
             ),
             algo=msgspec.structs.replace(cfg.algo, kl_beta=args.kl_beta, micro_batch_tokens=256),
             train=msgspec.structs.replace(
-                cfg.train, lr=args.lr, adam_eps=args.adam_eps, sft_steps=0, grad_clip=0.0
+                cfg.train,
+                lr=args.lr,
+                adam_eps=args.adam_eps,
+                sft_steps=0,
+                grad_clip=0.0,
+                optimizer_offload=args.optimizer_offload,
             ),
         )
         model = build_model(msgspec.structs.replace(cfg.model, dtype="float32"))

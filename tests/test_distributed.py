@@ -92,6 +92,17 @@ def test_two_fsdp2_ranks_compute_the_update_of_one_process(tmp_path, variant):
     assert pair["engine_misses"] == [[], []]
 
 
+def test_adamw_moments_in_host_memory_take_the_same_steps_on_two_ranks(tmp_path):
+    """`train.optimizer_offload` over FSDP2 shards: the moments are DTensors of the shards'
+    layout in host memory, stepped a parameter at a time, and the weights come out bit for bit
+    those of torch's AdamW."""
+    plain = _steps(tmp_path / "plain.pt", *COMMON, ranks=2)
+    offloaded = _steps(tmp_path / "offload.pt", *COMMON, "--optimizer-offload", ranks=2)
+    assert offloaded["losses"] == plain["losses"]
+    assert _max_diff(tmp_path / "plain.pt", tmp_path / "offload.pt") == 0.0
+    assert offloaded["changed_fraction"] > 0.99
+
+
 def test_hsdp_over_two_replicas_computes_the_update_of_fsdp_over_four_ranks(tmp_path):
     """`parallel.replicate = 2` on 4 ranks: two copies of the model, each sharded over 2 ranks,
     gradients summed across the copies; the same update as one model sharded over all 4."""

@@ -51,10 +51,12 @@ def test_sync_buckets_moves_every_weight_at_each_bucket_size(tmp_path):
         assert result["seconds"] > result["far_side_s"] > 0 and result["gb_per_s"] > 0
 
 
-def test_memory_budget_measures_a_grpo_step(tmp_path):
-    arguments = ("--device", "cpu", "--preset", "tiny")
+@pytest.mark.parametrize("offload", [(), ("--optimizer-offload",)], ids=["adamw", "offload"])
+def test_memory_budget_measures_a_grpo_step(tmp_path, offload):
+    arguments = ("--device", "cpu", "--preset", "tiny", *offload)
     arguments += ("--micro-batch-tokens", "512", "--sample-tokens", "128")
     summary = run_script("memory_budget", *arguments, tmp_path=tmp_path)
+    assert summary["optimizer_offload"] is bool(offload)
     assert summary["out_of_memory_in"] is None
     assert summary["micro_batches"] == 2 and summary["tokens"] == 1024
     assert summary["peak_rss_gib"] > 0

@@ -131,3 +131,22 @@ def test_a_step_row_carries_every_ranks_figures_and_their_maximum():
         parallel.stop()
     assert row["memory_gib_ranks"]["train_peak"] == [marks["train"]["peak"]]
     assert row["memory_gib"]["rollout_resident"] == marks["rollout"]["resident"]
+
+
+def test_optimizer_offload_moves_adamws_moments_off_the_card():
+    args = preset("qwen3-4b")
+    sections = {
+        "model": {"dtype": "bfloat16", "activation_checkpointing": True},
+        "rollout": {"engine": "vllm", "colocate": True, "gpu_memory_utilization": 0.5},
+    }
+    on_card = memory.estimate(_config(**sections), args, 1, H100)
+    offloaded = memory.estimate(
+        _config(**sections, train={"optimizer_offload": True}), args, 1, H100
+    )
+    assert on_card.host == 0
+    assert offloaded.host == on_card.states // 2  # the two moments, 8 of 16 bytes a parameter
+    assert offloaded.states == on_card.states - offloaded.host
+    assert offloaded.optimizer_step < on_card.optimizer_step
+    # Qwen3-4B on one H100 beside a colocated engine at half the card: only offloaded.
+    assert on_card.peak > 0.95 * H100 > offloaded.peak
+    assert "AdamW moments in host memory" in offloaded.describe()

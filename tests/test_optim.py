@@ -1,12 +1,14 @@
-"""The LR schedule: a pure function of phase and step, each phase over its own steps."""
+"""The LR schedule: a pure function of phase and step, each phase over its own steps; AdamW
+with its moments in host memory (`train.optimizer_offload`)."""
 
+import copy
 import math
 
 import pytest
 import torch
 
 from rlmtrain.config import load_config
-from rlmtrain.optim import build_optimizer, lr_at
+from rlmtrain.optim import HostAdamW, build_optimizer, lr_at
 from rlmtrain.resume import _rl_length_free
 
 
@@ -99,3 +101,73 @@ def test_rl_length_is_free_unless_it_moves_a_cut_warmup():
     assert _rl_length_free(values(0), values(2))  # no RL step taken under the recorded length
     assert not _rl_length_free(values(2), values(24))  # warm-up 1 step, then 4
     assert _rl_length_free(values(5), values(24))  # 4 either way
+
+
+def _two_layers(seed: int, device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(device)
+
+
+def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        inputs = torch.randn(4, 7, generator=generator).to(next(model.parameters()).device)
+        model(inputs).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _host_and_torch(fused: bool, device: str = "cpu", steps: int = 3):
+    keys = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused)
+    host_model, torch_model = _two_layers(0, device), _two_layers(0, device)
+    host = HostAdamW(host_model.parameters(), **keys)
+    reference = torch.optim.AdamW(torch_model.parameters(), foreach=False, **keys)
+    _steps(host_model, host, steps)
+    _steps(torch_model, reference, steps)
+    return host_model, host, torch_model, reference
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["single-tensor", "fused"])
+def test_host_adamw_takes_torch_adamws_steps_bit_for_bit(fused):
+    host_model, host, torch_model, reference = _host_and_torch(fused)
+    for mine, theirs in zip(host_model.parameters(), torch_model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(host.state[mine][key], reference.state[theirs][key]), key
+
+
+def test_host_adamw_state_survives_a_state_dict_round_trip():
+    host_model, host, _, _ = _host_and_torch(False, steps=2)
+    saved = {k: v.clone() for k, v in host_model.state_dict().items()}
+    state = copy.deepcopy(host.state_dict())
+    _steps(host_model, host, 1)
+
+    again = _two_layers(5)
+    again.load_state_dict(saved)
+    restored = HostAdamW(again.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                         weight_decay=0.1)  # fmt: skip
+    restored.load_state_dict(state)
+    assert all(m.device.type == "cpu" for s in restored.state.values() for m in s.values())
+    _steps(again, restored, 1)
+    for a, b in zip(host_model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_optimizer_offload_builds_host_adamw():
+    model = _two_layers(0)
+    assert type(build_optimizer(model, _config(), "rl")) is torch.optim.AdamW
+    offloaded = build_optimizer(model, _config(optimizer_offload="true"), "rl")
+    assert type(offloaded) is HostAdamW and offloaded.defaults["lr"] == 3e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fused", [False, True], ids=["single-tensor", "fused"])
+def test_host_adamw_on_cuda_keeps_its_moments_pinned_and_steps_as_torch(fused):
+    host_model, host, torch_model, reference = _host_and_torch(fused, "cuda")
+    for mine, theirs in zip(host_model.parameters(), torch_model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+        for key in ("exp_avg", "exp_avg_sq"):
+            moment = host.state[mine][key]
+            assert moment.device.type == "cpu" and moment.is_pinned()
+            assert torch.equal(moment, reference.state[theirs][key].cpu()), key

@@ -76,8 +76,13 @@ def _assert_bitwise_equal(a: dict, b: dict) -> None:
             assert value == right[key], key
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, memorised, ranks):
+@pytest.mark.parametrize(
+    ("ranks", "options"),
+    [(1, ()), (2, ()), (2, ("--train.optimizer_offload=true",))],
+    ids=["1", "2", "2-moments-in-host-memory"],
+)
+def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, memorised, ranks, options):
+    memorised = (*memorised, *options)
     uninterrupted, resumed = tmp_path / "a", tmp_path / "b"
     a = subprocess.run(
         [*launch(ranks, False), *run_args(uninterrupted, two_tasks, *memorised)],

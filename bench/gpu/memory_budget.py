@@ -10,19 +10,19 @@ first step makes AdamW's moments; the second is measured in two parts, split by 
 step pre-hook: forward, backward and clipping, then AdamW's step.
 
 Figures, GiB: the model states at rest (allocated before the step: fp32 masters and AdamW's
-moments; the gradients are freed after every step), the gradients (allocated when AdamW starts,
-less the states), the peak allocated and reserved of each part and what each adds above states
-and gradients: the activations (with the loss's logit slabs and the gathered bf16 blocks; also
-per token of a micro-batch) and AdamW's temporaries; the card's total, what was free when the
-script started (`torch.cuda.mem_get_info`), and the headroom, free at the start less the
-reserved peak. The one GPU holds the whole model; on `--ranks` ranks FSDP2 divides states,
-gradients and AdamW's temporaries while a micro-batch's activations stay whole, which gives the
-derived per-rank figure (an estimate: the vLLM engine's share of the card is not in it), printed
-beside the trainer's own pre-flight estimate (`rlmtrain.memory.estimate`), which this measures.
-Out of memory is a result: the part that ran out is named. On a CPU the process's peak resident set
-stands in, to check that the script runs.
+moments, unless `--optimizer-offload` keeps the moments in host memory; the gradients are freed
+after every step), the gradients (allocated when AdamW starts, less the states), the peak allocated
+and reserved of each part and what each adds above states and gradients: the activations (with the
+loss's logit slabs and the gathered bf16 blocks; also per token of a micro-batch) and AdamW's
+temporaries; the card's total, what was free when the script started (`torch.cuda.mem_get_info`),
+and the headroom, free at the start less the reserved peak. The one GPU holds the whole model; on
+`--ranks` ranks FSDP2 divides states, gradients and AdamW's temporaries while a micro-batch's
+activations stay whole, which gives the derived per-rank figure (an estimate: the vLLM engine's
+share of the card is not in it), printed beside the trainer's own pre-flight estimate
+(`rlmtrain.memory.estimate`), which this measures. Out of memory is a result: the part that ran out
+is named. On a CPU the process's peak resident set stands in, to check that the script runs.
 
-    python3 bench/gpu/memory_budget.py [--preset qwen3-4b] [--out memory.json]
+    python3 bench/gpu/memory_budget.py [--preset qwen3-4b] [--optimizer-offload] [--out memory.json]
     python bench/gpu/memory_budget.py --device cpu --preset tiny --micro-batch-tokens 512 \\
         --sample-tokens 128
 """
@@ -78,10 +78,15 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--sample-tokens", type=int, default=4096)
     parser.add_argument("--ranks", type=int, default=8, help="for the derived per-rank figure")
+    parser.add_argument(
+        "--optimizer-offload", action="store_true", help="AdamW's moments in host memory"
+    )
     parser.add_argument("--out", type=Path, help="also write the summary here as JSON")
     options = parser.parse_args()
 
     overrides = ["--model.hf_dir=", f"--model.preset={options.preset}", "--model.tokenizer=byte"]
+    if options.optimizer_offload:
+        overrides.append("--train.optimizer_offload=true")
     if options.micro_batch_tokens:
         # Under the config's longest turn the load rules ask for truncation, which samples of
         # --sample-tokens (at most a micro-batch) never meet.
@@ -142,6 +147,7 @@ def main() -> None:
         "dtype": str(dtype).removeprefix("torch."),
         "activation_checkpointing": cfg.model.activation_checkpointing,
         "adam_fused": cfg.train.adam_fused,
+        "optimizer_offload": cfg.train.optimizer_offload,
         "micro_batch_tokens": budget,
         "micro_batches": packed.stats.micro_batches if packed else None,
         "tokens": packed.stats.tokens if packed else None,

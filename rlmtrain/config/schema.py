@@ -351,6 +351,10 @@ class TrainConfig(Section):
     ] = 1e-8
     sft_adam_eps: Annotated[float, _doc("AdamW epsilon of the SFT steps; 0 = adam_eps", ge=0)] = 0.0
     adam_fused: Annotated[bool, _doc("AdamW's fused implementation (one kernel per step)")] = False
+    optimizer_offload: Annotated[
+        bool,
+        _doc("AdamW's two moments in host memory, brought to the device a parameter at a time"),
+    ] = False
     grad_clip: Annotated[float, _doc("max global grad norm; 0 = off", ge=0)] = 1.0
     loss_impl: Annotated[
         Literal["auto", "torch", "triton", "unfused"],
