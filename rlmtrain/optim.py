@@ -50,18 +50,23 @@ class HostAdamW(torch.optim.Optimizer):
 
     Each step goes parameter by parameter: the moments are copied to the parameter's device,
     updated with the parameter by torch's AdamW (`torch.optim.adam.adam` with decoupled weight
-    decay, fused or single-tensor as `fused` says: the numbers of `torch.optim.AdamW` with the
-    same flag), and copied back. The state keeps torch AdamW's keys, and for a sharded parameter
-    its moments are DTensors of the parameter's layout over host memory, so the DCP checkpoint
-    saves and reshards them as it does AdamW's. Loading a state dict puts them back in host
-    memory (torch's loader first moves them to the parameters' device, one model's moments for a
-    moment)."""
+    decay; fused as `fused` says, else multi-tensor on CUDA and single-tensor elsewhere, the
+    choice `torch.optim.AdamW` makes by default, so the numbers are its numbers), and copied
+    back. The state and the param groups keep torch AdamW's keys, so a checkpoint of either
+    resumes into the other; for a sharded parameter the moments are DTensors of the parameter's
+    layout over host memory, so the DCP checkpoint saves and reshards them as it does AdamW's,
+    and loading a state dict keeps them on the host (torch's loader would first cast them all to
+    the parameters' device)."""
 
     def __init__(self, params, *, lr, betas, eps, weight_decay, fused=False):
+        adamw = dict(amsgrad=False, maximize=False, foreach=None, capturable=False)
+        adamw |= dict(differentiable=False, decoupled_weight_decay=True)
         super().__init__(
-            params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+            params,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused) | adamw,
         )
-        self.register_load_state_dict_post_hook(_moments_to_host)
+        self.register_load_state_dict_pre_hook(_hide_moments)
+        self.register_load_state_dict_post_hook(_moments_on_host)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -92,7 +97,7 @@ class HostAdamW(torch.optim.Optimizer):
                     [on_device[1]],
                     [],
                     [state["step"]],
-                    foreach=False,
+                    foreach=local.is_cuda and not group["fused"],
                     fused=group["fused"],
                     decoupled_weight_decay=True,
                     amsgrad=False,
@@ -126,14 +131,36 @@ def _host_zeros_like(param: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _moments_to_host(optimizer: HostAdamW) -> None:
-    for state in optimizer.state.values():
+class _Moment:
+    """A moment passed through `Optimizer.load_state_dict` untouched: its cast handles tensors
+    and iterables, and would copy every moment to the device first."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _hide_moments(optimizer: HostAdamW, state_dict: dict) -> dict:
+    state = {
+        index: {k: _Moment(v) if k in ("exp_avg", "exp_avg_sq") else v for k, v in s.items()}
+        for index, s in state_dict["state"].items()
+    }
+    return {**state_dict, "state": state}
+
+
+def _moments_on_host(optimizer: HostAdamW) -> None:
+    for param, state in optimizer.state.items():
         for key in ("exp_avg", "exp_avg_sq"):
             moment = state.get(key)
-            if moment is not None and _local(moment).device.type != "cpu":
-                host = _host_zeros_like(moment)
-                _local(host).copy_(_local(moment))
-                state[key] = host
+            if isinstance(moment, _Moment):
+                moment = moment.tensor
+            held = _local(moment)
+            # A DCP load fills the host tensors this optimizer made: kept as they are. Anything
+            # else (another optimizer's state dict) is copied into a host tensor of its own.
+            if held.device.type != "cpu" or held.is_pinned() != _local(param).is_cuda:
+                host = _host_zeros_like(param)
+                _local(host).copy_(held)
+                moment = host
+            state[key] = moment
 
 
 def phase_peak_lr(cfg: Config, phase: str) -> float:

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rlmtrain.config import load_config
 from rlmtrain.optim import HostAdamW, build_optimizer, lr_at
@@ -121,7 +123,7 @@ def _host_and_torch(fused: bool, device: str = "cpu", steps: int = 3):
     keys = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused)
     host_model, torch_model = _two_layers(0, device), _two_layers(0, device)
     host = HostAdamW(host_model.parameters(), **keys)
-    reference = torch.optim.AdamW(torch_model.parameters(), foreach=False, **keys)
+    reference = torch.optim.AdamW(torch_model.parameters(), **keys)
     _steps(host_model, host, steps)
     _steps(torch_model, reference, steps)
     return host_model, host, torch_model, reference
@@ -151,6 +153,51 @@ def test_host_adamw_state_survives_a_state_dict_round_trip():
     _steps(again, restored, 1)
     for a, b in zip(host_model.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("offloaded_first", [True, False], ids=["host-to-torch", "torch-to-host"])
+def test_a_checkpoint_of_either_adamw_resumes_into_the_other(tmp_path, offloaded_first):
+    """Through DCP as the trainer checkpoints: a run may turn `train.optimizer_offload` on or
+    off when it resumes."""
+    host_model, host, torch_model, reference = _host_and_torch(False, steps=2)
+    saved_model, saved = (host_model, host) if offloaded_first else (torch_model, reference)
+    model_state, optim_state = get_state_dict(saved_model, saved)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path))
+
+    resumed_model = _two_layers(7)
+    kind = torch.optim.AdamW if offloaded_first else HostAdamW
+    resumed = kind(resumed_model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                   weight_decay=0.1)  # fmt: skip
+    model_state, optim_state = get_state_dict(resumed_model, resumed)
+    wanted = {"model": model_state, "optim": optim_state}
+    dcp.load(wanted, checkpoint_id=str(tmp_path))
+    set_state_dict(resumed_model, resumed, model_state_dict=wanted["model"],
+                   optim_state_dict=wanted["optim"])  # fmt: skip
+    _steps(resumed_model, resumed, 1)
+    _steps(saved_model, saved, 1)
+    for mine, theirs in zip(resumed_model.parameters(), saved_model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_loading_a_state_dict_never_casts_the_moments_to_the_parameters_device(monkeypatch):
+    """torch's loader casts every state tensor to its parameter's device: on CUDA, every moment
+    of the model on the card at once, the memory offloading exists to avoid."""
+    _, host, _, _ = _host_and_torch(False, steps=1)
+    cast = []
+    original = torch.optim.Optimizer._process_value_according_to_param_policy
+
+    def recording(param, value, param_id, param_groups, key=None):
+        cast.append(key)
+        return original(param, value, param_id, param_groups, key)
+
+    monkeypatch.setattr(
+        torch.optim.Optimizer, "_process_value_according_to_param_policy", recording
+    )
+    again = HostAdamW(_two_layers(0).parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                      weight_decay=0.1)  # fmt: skip
+    again.load_state_dict(copy.deepcopy(host.state_dict()))
+    assert cast and set(cast) == {"step"}
+    assert all(isinstance(s["exp_avg"], torch.Tensor) for s in again.state.values())
 
 
 def test_optimizer_offload_builds_host_adamw():

@@ -15,6 +15,7 @@ import textwrap
 import pytest
 import uvloop
 
+from rlmtrain.rlm.repl import Zygote
 from rlmtrain.rlm.spawn import Child
 
 LOOPS = {"asyncio": asyncio.run, "uvloop": uvloop.run}
@@ -111,3 +112,42 @@ def test_the_zygote_starts_with_vfork_under_uvloop(tmp_path):
     processes = [line for line in ours if "CLONE_THREAD" not in line]
     assert any("vfork()" in line for line in processes), processes
     assert not [line for line in processes if "vfork()" not in line], processes
+
+
+def _children() -> set[int]:
+    pids = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids.update(int(pid) for pid in f.read().split())
+    return pids
+
+
+def test_a_zygote_whose_start_fails_leaves_no_process_and_no_descriptor(tmp_path):
+    """Its temporary root cannot be made (the folder is missing): the started interpreter is
+    killed and reaped, and its pidfd and socket are closed."""
+
+    async def body():
+        with pytest.raises(FileNotFoundError):
+            await Zygote.start(context="x", tool_modules=[], temp_dir=str(tmp_path / "missing"))
+
+    children, descriptors = _children(), set(os.listdir("/proc/self/fd"))
+    asyncio.run(body())
+    assert _children() == children
+    assert set(os.listdir("/proc/self/fd")) <= descriptors
+
+
+def test_kill_now_reaps_at_once_and_refuses_a_child_being_waited_for():
+    async def body():
+        child = Child.start(python("import time; time.sleep(60)"))
+        child.kill_now()
+        assert await child.wait() == -9
+        child.kill_now()  # reaped already: nothing to do
+        waited = Child.start(python("import time; time.sleep(60)"))
+        waiting = asyncio.ensure_future(waited.wait())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="being waited for"):
+            waited.kill_now()
+        waited.kill()
+        assert await waiting == -9
+
+    asyncio.run(body())

@@ -321,13 +321,19 @@ class Zygote:
             raise
         finally:
             theirs.close()
-        zygote = cls(
-            process=process,
-            limits=limits,
-            temp_root=tempfile.mkdtemp(prefix="rlmtrain-repl-", dir=temp_dir),
-        )
-        zygote._channel = ControlChannel(ours, zygote._on_message, zygote._on_eof)
         try:
+            temp_root = tempfile.mkdtemp(prefix="rlmtrain-repl-", dir=temp_dir)
+        except BaseException:
+            process.kill_now()
+            ours.close()
+            raise
+        zygote = cls(process=process, limits=limits, temp_root=temp_root)
+        try:
+            try:
+                zygote._channel = ControlChannel(ours, zygote._on_message, zygote._on_eof)
+            except BaseException:
+                ours.close()
+                raise
             await zygote._channel.send(
                 Boot(
                     sys_path=[os.path.abspath(p) for p in sys.path],
@@ -341,12 +347,12 @@ class Zygote:
                 )
             )
             booted = await zygote._booted
+            zygote._uid_base = _uid_block_start(booted.pid)
+            if limits.memory_cgroup:
+                zygote._cgroup = PoolCgroup.create()
         except BaseException:
             await zygote.close()
             raise
-        zygote._uid_base = _uid_block_start(booted.pid)
-        if limits.memory_cgroup:
-            zygote._cgroup = PoolCgroup.create()
         if booted.landlock_abi == 0:
             log.warning("no Landlock in this kernel: REPL workers can write wherever their uid may")
         return zygote

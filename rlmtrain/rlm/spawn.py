@@ -42,7 +42,10 @@ class Child:
         if self._exited is None:
             loop = asyncio.get_running_loop()
             self._exited = loop.create_future()
-            loop.add_reader(self._pidfd, self._reap)
+            if self._pidfd is None:  # kill_now reaped it
+                self._exited.set_result(None)
+            else:
+                loop.add_reader(self._pidfd, self._reap)
         await asyncio.shield(self._exited)
         return self._popen.returncode
 
@@ -51,6 +54,17 @@ class Child:
         if self._pidfd is None:
             raise ProcessLookupError(f"process {self.pid} has already been reaped")
         signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def kill_now(self) -> None:
+        """SIGKILL and reap at once, for a start given up before anything waited on it."""
+        if self._pidfd is None:
+            return
+        if self._exited is not None:
+            raise RuntimeError("kill_now on a child being waited for: kill() and await wait()")
+        signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        self._popen.wait()
+        os.close(self._pidfd)
+        self._pidfd = None
 
     def _reap(self) -> None:
         # The pidfd turned readable: the process has exited, so this wait does not block.
