@@ -86,9 +86,8 @@ class HostAdamW(torch.optim.Optimizer):
                     # the CPU, as a float32 scalar: the same layout checkpoints the same way.
                     where = local.device if group["fused"] else torch.device("cpu")
                     state["step"] = torch.zeros((), dtype=torch.float32, device=where)
-                    state["exp_avg"] = _host_zeros_like(param)
-                    state["exp_avg_sq"] = _host_zeros_like(param)
-                moments = [_local(state[key]) for key in ("exp_avg", "exp_avg_sq")]
+                    state.update({key: _host_zeros_like(param) for key in MOMENTS})
+                moments = [_local(state[key]) for key in MOMENTS]
                 on_device = [m.to(local.device, non_blocking=True) for m in moments]
                 adam(
                     [local],
@@ -117,6 +116,10 @@ class HostAdamW(torch.optim.Optimizer):
             torch.cuda.current_stream().synchronize()
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""torch AdamW's state keys of the two moments, the tensors HostAdamW keeps in host memory."""
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -141,7 +144,7 @@ class _Moment:
 
 def _hide_moments(optimizer: HostAdamW, state_dict: dict) -> dict:
     state = {
-        index: {k: _Moment(v) if k in ("exp_avg", "exp_avg_sq") else v for k, v in s.items()}
+        index: {k: _Moment(v) if k in MOMENTS else v for k, v in s.items()}
         for index, s in state_dict["state"].items()
     }
     return {**state_dict, "state": state}
@@ -149,7 +152,7 @@ def _hide_moments(optimizer: HostAdamW, state_dict: dict) -> dict:
 
 def _moments_on_host(optimizer: HostAdamW) -> None:
     for param, state in optimizer.state.items():
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in MOMENTS:
             moment = state.get(key)
             if isinstance(moment, _Moment):
                 moment = moment.tensor

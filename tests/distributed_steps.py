@@ -143,6 +143,7 @@ def main() -> None:
                 "dtypes": sorted({str(v.dtype) for v in state.values()}),
                 "engine_misses": engine_misses,
                 "mesh": list(next(model.parameters()).device_mesh.shape),
+                "optimizer": type(optimizer).__name__,
             }
             print(json.dumps(summary))
     finally:

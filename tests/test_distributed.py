@@ -98,6 +98,7 @@ def test_adamw_moments_in_host_memory_take_the_same_steps_on_two_ranks(tmp_path)
     those of torch's AdamW."""
     plain = _steps(tmp_path / "plain.pt", *COMMON, ranks=2)
     offloaded = _steps(tmp_path / "offload.pt", *COMMON, "--optimizer-offload", ranks=2)
+    assert (plain["optimizer"], offloaded["optimizer"]) == ("AdamW", "HostAdamW")
     assert offloaded["losses"] == plain["losses"]
     assert _max_diff(tmp_path / "plain.pt", tmp_path / "offload.pt") == 0.0
     assert offloaded["changed_fraction"] > 0.99

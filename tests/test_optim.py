@@ -119,11 +119,13 @@ def _steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int)
         optimizer.zero_grad(set_to_none=True)
 
 
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
 def _host_and_torch(fused: bool, device: str = "cpu", steps: int = 3):
-    keys = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=fused)
     host_model, torch_model = _two_layers(0, device), _two_layers(0, device)
-    host = HostAdamW(host_model.parameters(), **keys)
-    reference = torch.optim.AdamW(torch_model.parameters(), **keys)
+    host = HostAdamW(host_model.parameters(), **ADAMW, fused=fused)
+    reference = torch.optim.AdamW(torch_model.parameters(), **ADAMW, fused=fused)
     _steps(host_model, host, steps)
     _steps(torch_model, reference, steps)
     return host_model, host, torch_model, reference
@@ -146,8 +148,7 @@ def test_host_adamw_state_survives_a_state_dict_round_trip():
 
     again = _two_layers(5)
     again.load_state_dict(saved)
-    restored = HostAdamW(again.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                         weight_decay=0.1)  # fmt: skip
+    restored = HostAdamW(again.parameters(), **ADAMW)
     restored.load_state_dict(state)
     assert all(m.device.type == "cpu" for s in restored.state.values() for m in s.values())
     _steps(again, restored, 1)
@@ -166,8 +167,7 @@ def test_a_checkpoint_of_either_adamw_resumes_into_the_other(tmp_path, offloaded
 
     resumed_model = _two_layers(7)
     kind = torch.optim.AdamW if offloaded_first else HostAdamW
-    resumed = kind(resumed_model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                   weight_decay=0.1)  # fmt: skip
+    resumed = kind(resumed_model.parameters(), **ADAMW)
     model_state, optim_state = get_state_dict(resumed_model, resumed)
     wanted = {"model": model_state, "optim": optim_state}
     dcp.load(wanted, checkpoint_id=str(tmp_path))
@@ -193,8 +193,7 @@ def test_loading_a_state_dict_never_casts_the_moments_to_the_parameters_device(m
     monkeypatch.setattr(
         torch.optim.Optimizer, "_process_value_according_to_param_policy", recording
     )
-    again = HostAdamW(_two_layers(0).parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                      weight_decay=0.1)  # fmt: skip
+    again = HostAdamW(_two_layers(0).parameters(), **ADAMW)
     again.load_state_dict(copy.deepcopy(host.state_dict()))
     assert cast and set(cast) == {"step"}
     assert all(isinstance(s["exp_avg"], torch.Tensor) for s in again.state.values())

@@ -89,6 +89,8 @@ def test_a_killed_run_resumes_bitwise(tmp_path, two_tasks, memorised, ranks, opt
         cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
     )  # fmt: skip
     assert a.returncode == 0, a.stderr[-3000:]
+    # The start's memory estimate names where the moments are.
+    assert ("AdamW moments in host memory" in a.stderr) == bool(options)
     curve = rows(uninterrupted)
     rl = [row for row in curve if row["phase"] == "rl"]
     # The premise: GRPO updates in most RL steps, read through TIS.

@@ -329,11 +329,7 @@ class Zygote:
             raise
         zygote = cls(process=process, limits=limits, temp_root=temp_root)
         try:
-            try:
-                zygote._channel = ControlChannel(ours, zygote._on_message, zygote._on_eof)
-            except BaseException:
-                ours.close()
-                raise
+            zygote._channel = ControlChannel(ours, zygote._on_message, zygote._on_eof)
             await zygote._channel.send(
                 Boot(
                     sys_path=[os.path.abspath(p) for p in sys.path],
@@ -351,6 +347,8 @@ class Zygote:
             if limits.memory_cgroup:
                 zygote._cgroup = PoolCgroup.create()
         except BaseException:
+            if zygote._channel is None:  # the socket never reached a channel that closes it
+                ours.close()
             await zygote.close()
             raise
         if booted.landlock_abi == 0:

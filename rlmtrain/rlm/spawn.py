@@ -62,15 +62,18 @@ class Child:
         if self._exited is not None:
             raise RuntimeError("kill_now on a child being waited for: kill() and await wait()")
         signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-        self._popen.wait()
-        os.close(self._pidfd)
-        self._pidfd = None
+        self._release()
 
     def _reap(self) -> None:
-        # The pidfd turned readable: the process has exited, so this wait does not block.
+        # The pidfd turned readable: the process has exited, so the wait in _release does not
+        # block.
         asyncio.get_running_loop().remove_reader(self._pidfd)
+        self._release()
+        if not self._exited.done():
+            self._exited.set_result(None)
+
+    def _release(self) -> None:
+        """Reap the process and close its pidfd; its pid may be reused from here on."""
         self._popen.wait()
         os.close(self._pidfd)
         self._pidfd = None
-        if not self._exited.done():
-            self._exited.set_result(None)
