@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # about 13 s in all
+pytestmark = pytest.mark.slow  # about 40 s in all
 
 
 def run_script(name: str, *arguments: str, tmp_path: Path) -> dict:
@@ -51,12 +51,33 @@ def test_sync_buckets_moves_every_weight_at_each_bucket_size(tmp_path):
         assert result["seconds"] > result["far_side_s"] > 0 and result["gb_per_s"] > 0
 
 
-@pytest.mark.parametrize("offload", [(), ("--optimizer-offload",)], ids=["adamw", "offload"])
-def test_memory_budget_measures_a_grpo_step(tmp_path, offload):
-    arguments = ("--device", "cpu", "--preset", "tiny", *offload)
+@pytest.mark.parametrize(
+    "options",
+    [(), ("--optimizer-offload", "--compile-layers")],
+    ids=["adamw", "offload-compiled"],
+)
+def test_memory_budget_measures_a_grpo_step(tmp_path, options):
+    arguments = ("--device", "cpu", "--preset", "tiny", *options)
     arguments += ("--micro-batch-tokens", "512", "--sample-tokens", "128")
     summary = run_script("memory_budget", *arguments, tmp_path=tmp_path)
-    assert summary["optimizer_offload"] is bool(offload)
+    assert summary["optimizer_offload"] is summary["compile_layers"] is bool(options)
+    assert summary["step_s"] > 0 and summary["tflops"] > 0 and summary["mfu_datasheet"] > 0
     assert summary["out_of_memory_in"] is None
     assert summary["micro_batches"] == 2 and summary["tokens"] == 1024
     assert summary["peak_rss_gib"] > 0
+
+
+def test_train_step_times_eager_and_compiled_layers_and_profiles_them(tmp_path):
+    arguments = ("--device", "cpu", "--preset", "tiny", "--samples", "4", "--sample-tokens", "96")
+    arguments += ("--micro-batch-tokens", "256", "--steps", "1", "--layers", "eager", "compiled")
+    summary = run_script("train_step", *arguments, "--profile", tmp_path=tmp_path)
+    eager, compiled = summary["results"]
+    assert (eager["layers"], compiled["layers"]) == ("eager", "compiled")
+    for result in (eager, compiled):
+        assert result["tokens"] == 4 * 96 and result["step_s"] > 0 and result["tflops"] > 0
+        profile = result["profile"]
+        assert profile["by_kind_ms"]["matmul"] > 0 and profile["longest"]
+        assert sum(profile["by_kind_ms"].values()) == pytest.approx(profile["kernels_ms"])
+    # The compiled regions ran under FSDP2, as the trainer runs them.
+    assert compiled["profile"]["by_kind_ms"].get("compiled elementwise", 0) > 0
+    assert "compiled elementwise" not in eager["profile"]["by_kind_ms"]

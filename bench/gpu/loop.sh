@@ -1,35 +1,44 @@
 #!/usr/bin/env bash
 # The whole loop measured on one GPU in one device call of at most 600 s: the trainer's RL step
 # (bench/gpu/rl_step.py: Qwen3-0.6B shape, native engine, jailed REPL, fused loss, AdamW, weight
-# sync), one rank's memory in a Qwen3-4B-shaped GRPO step at 32k-token micro-batches
-# (memory_budget.py), a 4B-shaped bf16 weight sync through the vLLM bucket path at 64 MiB and
-# 1 GiB (sync_buckets.py), then `pytest -m gpu`.
+# sync), the train step's MFU at the Qwen3-0.6B shape with eager and compiled decoder layers and
+# a profile of each by kind of kernel (train_step.py), one rank's memory and MFU in a
+# Qwen3-4B-shaped GRPO step at 32k-token micro-batches with compiled layers (memory_budget.py),
+# a 4B-shaped bf16 weight sync through the vLLM bucket path at 64 MiB and 1 GiB
+# (sync_buckets.py), then `pytest -m gpu`.
 #
 # Budget on an H100 (nothing here has run on a GPU yet; the estimates are from the shapes and from
 # run.sh's runs, bench/gpu/NOTES.md), each step under its own limit:
 #   set-up  ~25 s: wheels, the checkout on the interpreter's own path (for the REPL's isolated
 #           workers), the REPL jail built for the image's Python, import checks;
-#   rl_step ~150 s, limit 200: start-up ~30 s (imports, BPE, two synthetic paper groups, the
+#   rl_step ~150 s, limit 170: start-up ~30 s (imports, BPE, two synthetic paper groups, the
 #           model, the engine), step 0 with the kernels' compilation ~45 s, then 2 steps of
 #           4 tasks x 8 trees x 3 turns x 128 tokens (the native engine's decode rate on a GPU is
 #           unmeasured: ~25 s a step at 60 ms per decode step), the export ~5 s. Stopped at its
 #           limit by SIGTERM, the trainer unwinds and the script still prints the steps it did;
-#   memory_budget ~100 s, limit 150: the 4B policy initialised on the CPU ~25 s (one whole
+#   train_step ~90 s, limit 110: per way of running the layers, the model ~5 s, a first step
+#           with the kernels' compilation (~15 s eager, ~45 s with the layers' two regions
+#           compiled by inductor, forward and backward), three timed steps of 64 samples
+#           (132,718 tokens; 3.2 s each eager in run 4 of run.sh), one profiled step;
+#   memory_budget ~110 s, limit 150: the 4B policy initialised on the CPU ~25 s (one whole
 #           parameter at a time, as the trainer builds it), two steps of 2 x 32768 tokens (~5 s
-#           each: 8 x 4.0e9 x 65536 FLOPs with activation checkpointing) after ~40 s of
-#           compilation. The whole model's states are 60 GiB; on an H100's 79.6 GiB, beside
+#           each: 8 x 4.0e9 x 65536 FLOPs with activation checkpointing) after ~50 s of
+#           compilation (the loss's kernels and the layers' regions). The whole model's states are 60 GiB; on an H100's 79.6 GiB, beside
 #           the activations (~12 GiB) and AdamW's foreach temporaries (one fp32 copy of the
 #           parameters, 15 GiB), they would not fit, so on a card under 100 GB AdamW's moments
 #           go to host memory (--optimizer-offload, 30 GiB on the card): the offloaded step on
 #           CUDA measured too. Running out is reported as a result, with the part that ran out;
-#   sync_buckets ~40 s, limit 80: a spawned CUDA process, 2 sizes x 4 syncs of 8 GB;
-#   pytest -m gpu ~90 s, limit 120 (run.sh's test step ran its 11 files within 120 s).
-# Limits add up to 550 s after the set-up, so a step that hangs is cut by its own limit and the
-# steps after it still run; the whole call is cut at 600 s at worst, and returns what finished.
+#   sync_buckets ~40 s, limit 60: a spawned CUDA process, 2 sizes x 4 syncs of 8 GB;
+#   pytest -m gpu ~90 s, limit what is left of 585 s, at most 120 (run.sh's test step ran its 11
+#           files within 120 s).
+# Estimates add up to about 500 s with the set-up and the limits before the tests to 490 s after
+# it, so a step that hangs is cut by its own limit and the steps after it still run; the tests
+# get the rest, and the whole call is cut at 600 s at worst, and returns what finished.
 #
 # Prepare here: `bash bench/gpu/fetch_wheels.sh` (msgspec and the PDF libraries into .whl/). Then,
 # through the device tool: command `bash bench/gpu/loop.sh`, carry [".whl"], timeout_s 600.
-# Logs and JSON (rl-step.{log,json}, memory.{log,json}, sync.{log,json}, tests.log) are written to
+# Logs and JSON (rl-step.{log,json}, train-step.{log,json}, memory.{log,json}, sync.{log,json},
+# tests.log) are written to
 # $LOGS and packed into $OUT/gpu-loop.tgz at every step, so a run cut short still returns what
 # its finished steps wrote.
 set -uo pipefail
@@ -55,23 +64,31 @@ env -i "$(python3 -c 'import sys; print(sys.executable)')" -I -c "import rlmtrai
 step "RL step: Qwen3-0.6B shape, native engine, 4 tasks x 8 trees, 3 steps"
 # SIGTERM, not SIGINT: the trainer unwinds on it (engine, REPLs) and the script sums up the
 # steps that finished.
-timeout -s TERM -k 15 200 python3 bench/gpu/rl_step.py --out "$LOGS/rl-step.json" \
+timeout -s TERM -k 15 170 python3 bench/gpu/rl_step.py --out "$LOGS/rl-step.json" \
     >"$LOGS/rl-step.log" 2>&1
 sed -n '/^RL step/,/^{/p' "$LOGS/rl-step.log" | grep -v '^{' || tail -n 15 "$LOGS/rl-step.log"
 
-step "memory: Qwen3-4B shape, 2 micro-batches of 32768 tokens, one GPU"
+step "train step: Qwen3-0.6B shape, 64 samples of 1-3k tokens, eager and compiled layers"
+limit 110 python3 bench/gpu/train_step.py --layers eager compiled --profile \
+    --out "$LOGS/train-step.json" >"$LOGS/train-step.log" 2>&1
+grep -v '^{' "$LOGS/train-step.log" | tail -n 50
+
+step "memory and MFU: Qwen3-4B shape, compiled layers, 2 micro-batches of 32768 tokens, one GPU"
 offload=$(python3 -c "import torch
 print('--optimizer-offload' if torch.cuda.get_device_properties(0).total_memory < 100e9 else '')")
-limit 150 python3 bench/gpu/memory_budget.py $offload --out "$LOGS/memory.json" \
+limit 150 python3 bench/gpu/memory_budget.py $offload --compile-layers --out "$LOGS/memory.json" \
     >"$LOGS/memory.log" 2>&1
 sed -n '/^GRPO step memory/,/^{/p' "$LOGS/memory.log" | grep -v '^{' || tail -n 15 "$LOGS/memory.log"
 
 step "weight sync: Qwen3-4B shape, bf16, CUDA IPC into a spawned process, 64 MiB and 1 GiB"
-limit 80 python3 bench/gpu/sync_buckets.py --out "$LOGS/sync.json" >"$LOGS/sync.log" 2>&1
+limit 60 python3 bench/gpu/sync_buckets.py --out "$LOGS/sync.json" >"$LOGS/sync.log" 2>&1
 sed -n '/^weight sync/,/^{/p' "$LOGS/sync.log" | grep -v '^{' || tail -n 15 "$LOGS/sync.log"
 
 step "tests: pytest -m gpu"
-limit 120 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests \
+left=$((585 - SECONDS)) # what the steps before left of the call, at most 120 s
+((left > 120)) && left=120
+((left < 5)) && left=5
+limit $left python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests \
     >"$LOGS/tests.log" 2>&1
 tail -n 15 "$LOGS/tests.log"
 pack

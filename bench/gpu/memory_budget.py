@@ -6,8 +6,10 @@ policy built by `training.materialise.sharded_policy` (FSDP2, fp32 masters, bf16
 config's activation checkpointing, random weights), AdamW from `optim.build_optimizer` as the
 config sets it, and `training.steps.grpo_step` over random samples of `--sample-tokens` (half
 prompt) packed into `--micro-batches` micro-batches of `algo.micro_batch_tokens` (32768). A
-first step makes AdamW's moments; the second is measured in two parts, split by an optimizer
-step pre-hook: forward, backward and clipping, then AdamW's step.
+first step makes AdamW's moments (and compiles); the second is measured in two parts, split by an
+optimizer step pre-hook: forward, backward and clipping, then AdamW's step. Its seconds give the
+step's model FLOP utilisation as `train_step.py` counts it (`--compile-layers` for the compiled
+layers' figure).
 
 Figures, GiB: the model states at rest (allocated before the step: fp32 masters and AdamW's
 moments, unless `--optimizer-offload` keeps the moments in host memory; the gradients are freed
@@ -31,11 +33,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from train_step import random_samples  # bench/gpu/, the script's own folder
+from train_step import (  # bench/gpu/, the script's own folder
+    DATASHEET_BF16_DENSE_FLOPS,
+    random_samples,
+    useful_flops,
+)
 
 from rlmtrain import memory, parallel
 from rlmtrain.config import load_config
@@ -81,12 +88,17 @@ def main() -> None:
     parser.add_argument(
         "--optimizer-offload", action="store_true", help="AdamW's moments in host memory"
     )
+    parser.add_argument(
+        "--compile-layers", action="store_true", help="the decoder layers' compiled regions"
+    )
     parser.add_argument("--out", type=Path, help="also write the summary here as JSON")
     options = parser.parse_args()
 
     overrides = ["--model.hf_dir=", f"--model.preset={options.preset}", "--model.tokenizer=byte"]
     if options.optimizer_offload:
         overrides.append("--train.optimizer_offload=true")
+    if options.compile_layers:
+        overrides.append("--model.compile_layers=true")
     if options.micro_batch_tokens:
         # Under the config's longest turn the load rules ask for truncation, which samples of
         # --sample-tokens (at most a micro-batch) never meet.
@@ -130,7 +142,11 @@ def main() -> None:
         part = "warm-up step"  # makes AdamW's moments
         step()
         part = "measured step"
+        began = time.perf_counter()
         step()
+        if meter.cuda:
+            torch.cuda.synchronize()
+        figures["step_s"] = time.perf_counter() - began
         part = None
     except torch.cuda.OutOfMemoryError as error:
         if part.endswith("step"):
@@ -146,6 +162,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if meter.cuda else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "activation_checkpointing": cfg.model.activation_checkpointing,
+        "compile_layers": cfg.model.compile_layers,
         "adam_fused": cfg.train.adam_fused,
         "optimizer_offload": cfg.train.optimizer_offload,
         "micro_batch_tokens": budget,
@@ -154,6 +171,16 @@ def main() -> None:
         "parameters": preset(options.preset).num_params(),
         "out_of_memory_in": part,
     }
+    if part is None:
+        # The measured step's pace, its memory counters read in it included: the model FLOPs
+        # of `train_step.py` (3 x the forward) over the step's seconds.
+        flops = useful_flops(preset(options.preset), samples) / figures["step_s"]
+        summary.update(
+            step_s=figures["step_s"],
+            tokens_per_s=packed.stats.tokens / figures["step_s"],
+            tflops=flops / 1e12,
+            mfu_datasheet=flops / DATASHEET_BF16_DENSE_FLOPS,
+        )
     if part is None and not meter.cuda:
         summary["peak_rss_gib"] = figures["optimizer"][0]
     elif part is None:

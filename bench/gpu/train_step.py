@@ -8,8 +8,15 @@ model's useful ones, 3 x the forward: the weight matrices over every token, caus
 each sequence, and the LM head over the completion tokens only (the rows the loss trains; the
 others never reach the head).
 
-Run: `python3 bench/gpu/train_step.py [--preset qwen3-0.6b] [--samples 64] [--device cuda]`.
-On a CPU, `--preset tiny --device cpu` checks that it runs.
+`--layers eager compiled` times the step once per way of running the decoder layers
+(`model.compile_layers`), in one process, each on a model of its own; `--profile` then records
+one more step of each and sums its kernels' time by kind (matrix products, attention, the loss
+head's kernels, elementwise work eager or compiled, the optimizer, copies), the first place to
+look for where a step's time goes, with the longest kernels by name.
+
+Run: `python3 bench/gpu/train_step.py [--preset qwen3-0.6b] [--samples 64] [--layers eager
+compiled] [--profile] [--out step.json]`. On a CPU, `--preset tiny --device cpu` checks that it
+runs (its profile sums the CPU's operators instead).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import defaultdict
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -30,11 +39,6 @@ from rlmtrain.optim import build_optimizer
 from rlmtrain.training.steps import grpo_step
 
 DATASHEET_BF16_DENSE_FLOPS = 989.4e12  # H100/H200 SXM
-
-
-def random_batch(samples: int, vocab: int, seed: int = 0) -> list[Sample]:
-    """Samples of 1024-3071 tokens, the first half prompt, with random advantages."""
-    return random_samples(samples, vocab, np.random.default_rng(seed))
 
 
 def random_samples(
@@ -74,55 +78,171 @@ def useful_flops(args, batch: list[Sample]) -> float:
     return 3.0 * forward
 
 
+# Kernel (CUDA) or operator (CPU) names, lowercased, to the kind of work: the first kind with a
+# matching fragment wins. The inductor's flex attention kernels are templates ("triton_tem"),
+# its fused elementwise ones "triton_poi", "triton_red" and "triton_per".
+KINDS = (
+    ("communication", ("nccl", "c10d", "gloo")),
+    ("attention", ("flash", "flex", "fmha", "attention", "triton_tem", "sdpa")),
+    ("loss head", ("_logprob_", "_grpo_loss", "_row_stats", "_row_dlogits", "_dlogits")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm",
+                "aten::bmm", "aten::linear", "aten::matmul")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("compiled elementwise", ("triton_poi", "triton_red", "triton_per", "compiledfxgraph",
+                              "compiledfunction")),
+    ("copies", ("memcpy", "memset", "copy_", "aten::to", "aten::_to_copy", "aten::clone")),
+    ("elementwise", ("elementwise", "reduce", "vectorized", "unrolled", "aten::")),
+)  # fmt: skip
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, fragments in KINDS:
+        if any(fragment in lowered for fragment in fragments):
+            return kind
+    return "other"
+
+
+def profile_step(step, device: torch.device) -> dict:
+    """One step under torch.profiler: the time of its kernels (CUDA; the CPU's own operators on
+    a CPU) summed by kind, the step's span, and the 12 longest kernels."""
+    on_cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    began = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if on_cuda:
+            torch.cuda.synchronize()
+    span_ms = (time.perf_counter() - began) * 1e3
+    by_kind: dict[str, float] = defaultdict(float)
+    kernels = []
+    for event in prof.key_averages():
+        # CUDA: the kernels' own time; CPU: each operator's self time (children counted once).
+        ms = (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e3
+        if ms <= 0 or (on_cuda and event.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        by_kind[kind_of(event.key)] += ms
+        kernels.append((ms, event.count, event.key))
+    kernels.sort(reverse=True)
+    total = sum(by_kind.values())
+    return {
+        "span_ms": span_ms,
+        "kernels_ms": total,
+        "by_kind_ms": dict(sorted(by_kind.items(), key=lambda item: -item[1])),
+        "longest": [{"ms": ms, "calls": n, "name": name[:120]} for ms, n, name in kernels[:12]],
+    }
+
+
+def measure(options, layers: str, world, device: torch.device) -> dict:
+    cfg = Config()
+    cfg = msgspec.structs.replace(
+        cfg,
+        model=ModelConfig(
+            preset=options.preset,
+            compile_layers=layers == "compiled",
+            activation_checkpointing=options.activation_checkpointing,
+        ),
+        algo=msgspec.structs.replace(
+            cfg.algo, micro_batch_tokens=options.micro_batch_tokens, tis_cap=0.0
+        ),
+        train=msgspec.structs.replace(cfg.train, optimizer_offload=options.optimizer_offload),
+    )
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = parallel.shard(build_model(cfg.model), device, dtype)
+    optimizer = build_optimizer(model, cfg, "rl")
+    vocab = preset(options.preset).vocab_size
+    batch = random_samples(options.samples, vocab, np.random.default_rng(0), options.sample_tokens)
+    packed = pack(batch, cfg.algo.micro_batch_tokens, world_size=world.size)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step() -> None:
+        grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    step()  # compiles: the loss head's kernels, and with compiled layers their regions
+    synchronize()
+    first_s = time.perf_counter() - began
+    began = time.perf_counter()
+    for _ in range(options.steps):
+        step()
+    synchronize()
+    seconds = (time.perf_counter() - began) / options.steps
+    flops = useful_flops(preset(options.preset), batch) / seconds
+    result = {
+        "layers": layers,
+        "tokens": packed.stats.tokens,
+        "first_step_s": first_s,
+        "step_s": seconds,
+        "tokens_per_s": packed.stats.tokens / seconds,
+        "tflops": flops / 1e12,
+        "mfu_datasheet": flops / DATASHEET_BF16_DENSE_FLOPS,
+    }
+    if device.type == "cuda":
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if options.profile:
+        result["profile"] = profile_step(step, device)
+    return result
+
+
+def report(result: dict) -> None:
+    line = (
+        f"{result['layers']:>8} layers: {result['step_s']:.3f} s a step, "
+        f"{result['tokens_per_s']:,.0f} tokens/s, {result['tflops']:.1f} TFLOP/s, "
+        f"MFU {100 * result['mfu_datasheet']:.1f}% (first step {result['first_step_s']:.1f} s)"
+    )
+    print(line + (f", peak {result['peak_gib']:.1f} GiB" if "peak_gib" in result else ""))
+    profile = result.get("profile")
+    if profile:
+        print(
+            f"  profiled step: kernels {profile['kernels_ms']:.1f} ms of {profile['span_ms']:.1f}"
+        )
+        for kind, ms in profile["by_kind_ms"].items():
+            print(f"    {kind:<22} {ms:9.1f} ms  {100 * ms / profile['kernels_ms']:5.1f}%")
+        for kernel in profile["longest"]:
+            print(f"    {kernel['ms']:9.1f} ms {kernel['calls']:6d}x  {kernel['name'][:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--sample-tokens", type=int, help="each sample's length; default 1024-3071")
     parser.add_argument("--micro-batch-tokens", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layers", nargs="+", choices=("eager", "compiled"), default=["eager"])
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--optimizer-offload", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", type=Path, help="also write the summary here as JSON")
     options = parser.parse_args()
     world, device = parallel.start(options.device)
     try:
-        cfg = Config()
-        cfg = msgspec.structs.replace(
-            cfg,
-            model=ModelConfig(preset=options.preset),
-            algo=msgspec.structs.replace(
-                cfg.algo, micro_batch_tokens=options.micro_batch_tokens, tis_cap=0.0
-            ),
-        )
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = parallel.shard(build_model(cfg.model), device, dtype)
-        optimizer = build_optimizer(model, cfg, "rl")
-        vocab = preset(options.preset).vocab_size
-        batch = random_batch(options.samples, vocab)
-        packed = pack(batch, cfg.algo.micro_batch_tokens, world_size=world.size)
-
-        def synchronize() -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-
-        grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
-        synchronize()
-        began = time.perf_counter()
-        for _ in range(options.steps):
-            grpo_step(model, optimizer, packed, cfg, device, rank=world.rank)
-        synchronize()
-        seconds = (time.perf_counter() - began) / options.steps
-        flops = useful_flops(preset(options.preset), batch) / seconds
-        result = {
+        summary = {
             "preset": options.preset,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "tokens": packed.stats.tokens,
-            "step_s": seconds,
-            "tokens_per_s": packed.stats.tokens / seconds,
-            "tflops": flops / 1e12,
-            "mfu_datasheet": flops / DATASHEET_BF16_DENSE_FLOPS,
+            "samples": options.samples,
+            "micro_batch_tokens": options.micro_batch_tokens,
+            "activation_checkpointing": options.activation_checkpointing,
+            "optimizer_offload": options.optimizer_offload,
+            "results": [],
         }
-        if device.type == "cuda":
-            result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        print(json.dumps(result))
+        print(f"GRPO train step, {options.preset}, {summary['device']}", flush=True)
+        for layers in options.layers:
+            summary["results"].append(measure(options, layers, world, device))
+            report(summary["results"][-1])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if options.out:
+            options.out.write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary))
     finally:
         parallel.stop()
 

@@ -66,6 +66,13 @@ class ModelConfig(Section):
     activation_checkpointing: Annotated[
         bool, _doc("recompute each decoder layer in backward to save memory")
     ] = False
+    compile_layers: Annotated[
+        bool,
+        _doc(
+            "fuse each decoder layer's norms, RoPE, SwiGLU and residual adds with torch.compile "
+            "(the training forward; attention and the native engine stay eager)"
+        ),
+    ] = False
     seed: Annotated[int, _doc("seed for random initialisation", ge=0, le=SEED_MAX)] = 0
 
 

@@ -74,4 +74,8 @@ def model_skeleton(cfg: ModelConfig) -> Transformer:
 
 
 def _options(cfg: ModelConfig) -> dict[str, object]:
-    return {"attention": cfg.attention, "activation_checkpointing": cfg.activation_checkpointing}
+    return {
+        "attention": cfg.attention,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "compile_layers": cfg.compile_layers,
+    }

@@ -242,13 +242,17 @@ def load_hf(
     dtype: torch.dtype = torch.float32,
     attention: str = "auto",
     activation_checkpointing: bool = False,
+    compile_layers: bool = False,
 ) -> Transformer:
     """A `Transformer` built from `directory`'s config.json and filled from its safetensors."""
     directory = Path(directory)
     args = read_hf_args(directory)
     with torch.device("meta"):
         model = Transformer(
-            args, attention=attention, activation_checkpointing=activation_checkpointing
+            args,
+            attention=attention,
+            activation_checkpointing=activation_checkpointing,
+            compile_layers=compile_layers,
         )
     model = model.to_empty(device="cpu").to(dtype)
     loaded: set[str] = set()

@@ -19,6 +19,7 @@ would round) and cast to the activation dtype, as Hugging Face does.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 
@@ -97,16 +98,6 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor]) -> Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = attend(_apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -127,9 +118,46 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor]) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor], compiled: bool
+    ) -> Tensor:
+        before, after = _compiled_regions() if compiled else (attention_inputs, attention_output)
+        q, k, v = before(self, h, cos, sin)
+        return after(self, h, attend(q, k, v))
+
+
+def attention_inputs(
+    layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's work before attention: the input norm, the q/k/v projections, the q/k norms and
+    RoPE. q `[T, Hq, D]`, k and v `[T, Hkv, D]`."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    t = x.shape[0]
+    q = attn.q_proj(x).view(t, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+
+def attention_output(layer: DecoderLayer, h: Tensor, out: Tensor) -> Tensor:
+    """A layer's work after attention (`out[T, Hq, D]`): the output projection and residual,
+    then the MLP block."""
+    h = h + layer.self_attn.o_proj(out.reshape(h.shape[0], -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+@functools.cache
+def _compiled_regions() -> tuple[
+    Callable[..., tuple[Tensor, Tensor, Tensor]], Callable[..., Tensor]
+]:
+    # One compiled function per region, the layer passed in: every layer has the same code and
+    # parameter shapes, so the graph compiled for the first serves all of them (two compilations
+    # per region and grad mode: the first length, then one dynamic in it). Attention stays out of
+    # the graphs: its backends bring their own kernels, and its per-batch plan would be a guard.
+    return torch.compile(attention_inputs), torch.compile(attention_output)
 
 
 class Transformer(nn.Module):
@@ -137,16 +165,25 @@ class Transformer(nn.Module):
 
     attention: "auto" | "flash" | "flex" | "sdpa" (see `attention.py`).
     activation_checkpointing: recompute each layer in backward (non-reentrant checkpoint).
+    compile_layers: `forward` runs each layer's work around attention as two `torch.compile`d
+    regions (`attention_inputs`, `attention_output`), fusing the norms, RoPE, SwiGLU and residual
+    adds; the KV-cache paths (`hidden_states` called directly) stay eager.
     """
 
     def __init__(
-        self, args: ModelArgs, *, attention: str = "auto", activation_checkpointing: bool = False
+        self,
+        args: ModelArgs,
+        *,
+        attention: str = "auto",
+        activation_checkpointing: bool = False,
+        compile_layers: bool = False,
     ):
         super().__init__()
         check_choice(attention)
         self.args = args
         self.attention = attention
         self.activation_checkpointing = activation_checkpointing
+        self.compile_layers = compile_layers
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -200,18 +237,26 @@ class Transformer(nn.Module):
             self.embed_tokens.weight.dtype,
             prefix_of,
         )
-        return self.hidden_states(input_ids, position_ids, lambda _layer, q, k, v: attend(q, k, v))
+        return self.hidden_states(
+            input_ids,
+            position_ids,
+            lambda _layer, q, k, v: attend(q, k, v),
+            compiled=self.compile_layers,
+        )
 
-    def hidden_states(self, input_ids: Tensor, position_ids: Tensor, attend: Attend) -> Tensor:
-        """The layer stack with attention supplied by the caller (see `Attend`); `[T, H]`."""
+    def hidden_states(
+        self, input_ids: Tensor, position_ids: Tensor, attend: Attend, *, compiled: bool = False
+    ) -> Tensor:
+        """The layer stack with attention supplied by the caller (see `Attend`); `[T, H]`.
+        compiled: run the layers' compiled regions (see `compile_layers`)."""
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.args, position_ids, h.dtype)
         for index, layer in enumerate(self.layers):
             layer_attend = _bind_layer(attend, index)
             if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, layer_attend, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, layer_attend, compiled, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, layer_attend)
+                h = layer(h, cos, sin, layer_attend, compiled)
         return self.norm(h)
 
 

@@ -46,6 +46,7 @@ def sharded_like(
             model.args,
             attention=model.attention,
             activation_checkpointing=model.activation_checkpointing,
+            compile_layers=model.compile_layers,
         )
     mesh = next(model.parameters()).device_mesh  # type: ignore[attr-defined]
     replicate = mesh.size(0) if mesh.ndim == 2 else 1

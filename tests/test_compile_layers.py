@@ -1,0 +1,162 @@
+"""`compile_layers`: each decoder layer's work around attention runs as two compiled regions.
+
+The compiled forward and its gradients equal the eager ones; the regions compile once for all the
+layers (a graph per layer would be 28 compilations for Qwen3-0.6B, and past dynamo's recompile
+limit layers would silently run eager); a new packed length costs one more compilation, not one
+per length; the KV-cache path the engine takes stays eager. On CUDA (`gpu`), the same in bf16 with
+the flex backend, the training configuration.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from rlmtrain.config import ModelConfig
+from rlmtrain.model import ModelArgs, Transformer, build_model
+
+QWEN3 = ModelArgs(
+    family="qwen3",
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10_000.0,
+    qk_norm=True,
+    tie_word_embeddings=True,
+)
+LLAMA = ModelArgs(
+    family="llama",
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=16,
+    rope_theta=500_000.0,
+)
+BATCHES = ((17, 130, 5), (40, 3), (64, 64, 9, 1))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def packed(vocab: int, lengths: tuple[int, ...], device: str = "cpu"):
+    gen = torch.Generator().manual_seed(sum(lengths))
+    tokens = torch.randint(0, vocab, (sum(lengths),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)
+    return tokens.to(device), positions.to(device), cu_seqlens.to(device)
+
+
+def forward_backward(model: Transformer, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad()
+    hidden = model(*batch)
+    # A loss that weighs every position differently, so a row mixed up shows.
+    weights = torch.linspace(-1.0, 1.0, hidden.numel(), device=hidden.device)
+    (hidden.float().flatten() * weights).sum().backward()
+    # An untied LM head takes no gradient here (the head is the caller's).
+    return hidden.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def twin_models(args: ModelArgs, attention: str = "sdpa", **options):
+    eager = Transformer(args, attention=attention, **options)
+    eager.init_weights(seed=0, std=0.1)
+    compiled = Transformer(args, attention=attention, compile_layers=True, **options)
+    compiled.load_state_dict(eager.state_dict())
+    return eager, compiled
+
+
+def assert_near(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Each tensor within 1e-5 of the largest entry of its reference: fused kernels sum in
+    another order (a gradient accumulated over 150 tokens moves by a few ulps of its largest
+    entry), while a wrong region (a RoPE half swapped, a norm missed) is off by the entries
+    themselves."""
+    for g, w in zip(got, want, strict=True):
+        scale = w.abs().max().item()
+        assert (g - w).abs().max().item() <= 1e-5 * scale, (g - w).abs().max().item() / scale
+
+
+def compilations() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [QWEN3, LLAMA], ids=["qwen3", "llama"])
+def test_compiled_layers_equal_eager_and_compile_once_for_every_layer(args):
+    eager, compiled = twin_models(args)
+    for lengths in BATCHES:
+        batch = packed(args.vocab_size, lengths)
+        want, want_grads = forward_backward(eager, batch)
+        got, got_grads = forward_backward(compiled, batch)
+        assert_near([got, *got_grads], [want, *want_grads])
+    # Two regions, each compiled for the first length and once more with the length dynamic:
+    # three layers and three lengths, four graphs.
+    assert compilations() == 4
+
+
+@pytest.mark.slow
+def test_compiled_layers_under_activation_checkpointing_equal_eager():
+    eager, compiled = twin_models(QWEN3, activation_checkpointing=True)
+    batch = packed(QWEN3.vocab_size, BATCHES[0])
+    want, want_grads = forward_backward(eager, batch)
+    got, got_grads = forward_backward(compiled, batch)
+    assert_near([got, *got_grads], [want, *want_grads])
+    assert compilations() > 0
+
+
+def test_the_kv_cache_path_stays_eager():
+    """The engine calls `hidden_states` with its own attention: nothing compiles there."""
+    _, compiled = twin_models(QWEN3)
+    tokens, positions, _ = packed(QWEN3.vocab_size, (12,))
+
+    def attend(_layer, q, k, v):  # causal attention of one sequence, as the engine's cache does
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        ).transpose(0, 1)
+
+    with torch.no_grad():
+        compiled.hidden_states(tokens, positions, attend)
+    assert compilations() == 0
+
+
+def test_the_config_switch_reaches_the_model(tmp_path):
+    assert build_model(ModelConfig(preset="tiny", compile_layers=True)).compile_layers
+    assert not build_model(ModelConfig(preset="tiny")).compile_layers
+
+
+@pytest.mark.gpu
+def test_compiled_layers_on_cuda_in_bf16_track_eager():
+    """bf16 with the flex backend: compiled and eager each judged by their error against fp32,
+    since fused kernels round differently (once per fused region, not once per operation)."""
+    reference, compiled = twin_models(QWEN3, attention="flex")
+    eager = Transformer(QWEN3, attention="flex")
+    eager.load_state_dict(reference.state_dict())
+    reference = reference.cuda()
+    eager, compiled = eager.cuda().to(torch.bfloat16), compiled.cuda().to(torch.bfloat16)
+    for lengths in BATCHES:
+        batch = packed(QWEN3.vocab_size, lengths, "cuda")
+        exact, exact_grads = forward_backward(reference, batch)
+        for name, model in (("eager", eager), ("compiled", compiled)):
+            hidden, grads = forward_backward(model, batch)
+            errors = [(hidden.float() - exact).abs().max().item()]
+            errors += [
+                (g.float() - w).abs().max().item() for g, w in zip(grads, exact_grads, strict=True)
+            ]
+            if name == "eager":
+                bounds = [2 * e + 1e-3 for e in errors]
+            else:
+                assert all(e <= b for e, b in zip(errors, bounds, strict=True)), (errors, bounds)
+    assert compilations() == 4
