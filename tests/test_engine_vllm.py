@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -397,6 +398,34 @@ def test_the_engine_process_starts_seeing_only_the_rank_s_gpu(monkeypatch) -> No
             started = subprocess.run(show, capture_output=True, text=True, check=True)
         assert started.stdout.strip() == seen
         assert os.environ.get("CUDA_VISIBLE_DEVICES") == before
+
+
+def test_the_engines_sockets_live_in_a_folder_of_the_process(served) -> None:
+    """vLLM leaves its ZeroMQ socket files behind (seven an engine, on a clean shutdown too):
+    they go in a folder this process made, not the shared temp folder."""
+    from rlmtrain.rollout.engines.vllm import rpc_folder
+
+    folder = Path(rpc_folder())
+    assert os.environ["VLLM_RPC_BASE_PATH"] == str(folder)
+    assert folder.parent == Path(tempfile.gettempdir())
+    assert folder.name.startswith("rlmtrain-vllm-rpc-")
+    assert any(path.is_socket() for path in folder.iterdir())
+
+
+@pytest.mark.parametrize("users", [False, True], ids=["own", "users"])
+def test_the_socket_folder_goes_when_the_process_exits_unless_the_user_chose_it(
+    tmp_path, users
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    if users:
+        env["VLLM_RPC_BASE_PATH"] = str(tmp_path)
+    show = "from rlmtrain.rollout.engines.vllm import rpc_folder; print(rpc_folder())"
+    shown = subprocess.run(
+        [sys.executable, "-c", show], capture_output=True, text=True, check=True, env=env
+    )
+    folder = Path(shown.stdout.strip().splitlines()[-1])
+    assert (folder == tmp_path) is users
+    assert folder.is_dir() is users
 
 
 def test_closing_ends_the_requests_in_flight(served) -> None:

@@ -68,7 +68,8 @@ def judge_url(tmp_path_factory):
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        # Its ZeroMQ socket files (which vLLM never removes) in the test's folder, not in /tmp.
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": str(root)},
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}/v1"

