@@ -18,6 +18,7 @@ import json
 
 import msgspec
 import torch
+from torch._dynamo.utils import counters
 
 from rlmtrain import parallel
 from rlmtrain.algo import build_samples, compute_advantages, pack
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--optimizer-offload", action="store_true")
+    parser.add_argument("--compile-layers", action="store_true")
     args = parser.parse_args()
 
     world, device = parallel.start("cpu")
@@ -106,6 +108,7 @@ def main() -> None:
                 vocab_size=300,
                 dtype=args.dtype,
                 activation_checkpointing=args.activation_checkpointing,
+                compile_layers=args.compile_layers,
             ),
             algo=msgspec.structs.replace(cfg.algo, kl_beta=args.kl_beta, micro_batch_tokens=256),
             train=msgspec.structs.replace(
@@ -144,6 +147,7 @@ def main() -> None:
                 "engine_misses": engine_misses,
                 "mesh": list(next(model.parameters()).device_mesh.shape),
                 "optimizer": type(optimizer).__name__,
+                "compiled_graphs": counters["stats"]["unique_graphs"],
             }
             print(json.dumps(summary))
     finally:

@@ -103,6 +103,12 @@ def test_compiled_layers_equal_eager_and_compile_once_for_every_layer(args):
     # Two regions, each compiled for the first length and once more with the length dynamic:
     # three layers and three lengths, four graphs.
     assert compilations() == 4
+    # Without gradients (pi_old, the KL reference): one more graph a region, already dynamic.
+    with torch.no_grad():
+        for lengths in BATCHES:
+            batch = packed(args.vocab_size, lengths)
+            assert_near([compiled(*batch)], [eager(*batch)])
+    assert compilations() == 6
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 - the trainer's GRPO step on fixed rollouts gives the same master weights on two FSDP2 ranks
   (holding unequal numbers of samples) as in one process, with and without activation
-  checkpointing and a sharded KL reference (`tests/distributed_steps.py` does the steps), and
+  checkpointing, compiled layers and a sharded KL reference (`tests/distributed_steps.py` does
+  the steps), and
   each rank's own engine, synced one gathered parameter at a time, then holds those weights;
 - bf16 compute keeps fp32 master weights, which a 1e-6 learning rate still moves;
 - the Hugging Face export, gathered from the shards, loads in transformers with our logits;
@@ -74,11 +75,17 @@ COMMON = ("--steps", "3", "--lr", "1e-4", "--adam-eps", "1e-6")
 
 @pytest.mark.parametrize(
     "variant",
-    [(), ("--activation-checkpointing", "--kl-beta", "0.05")],
-    ids=["plain", "checkpointing+kl"],
+    [
+        (),
+        ("--activation-checkpointing", "--kl-beta", "0.05"),
+        ("--compile-layers", "--kl-beta", "0.05"),
+    ],
+    ids=["plain", "checkpointing+kl", "compiled+kl"],
 )
 def test_two_fsdp2_ranks_compute_the_update_of_one_process(tmp_path, variant):
-    kl = tuple(a for a in variant if a != "--activation-checkpointing")
+    """The one process runs eager layers: the compiled ones (policy, KL reference) under FSDP2's
+    hooks must compute its update."""
+    kl = tuple(a for a in variant if a not in ("--activation-checkpointing", "--compile-layers"))
     alone = _steps(tmp_path / "one.pt", *COMMON, *kl)
     pair = _steps(tmp_path / "two.pt", *COMMON, *variant, ranks=2)
     assert alone["samples_per_rank"] == [9]
@@ -90,6 +97,8 @@ def test_two_fsdp2_ranks_compute_the_update_of_one_process(tmp_path, variant):
     # Each rank's engine, synced from the shards, holds every weight bit for bit.
     assert alone["engine_misses"] == [[]]
     assert pair["engine_misses"] == [[], []]
+    assert alone["compiled_graphs"] == 0
+    assert (pair["compiled_graphs"] > 0) is ("--compile-layers" in variant)
 
 
 def test_adamw_moments_in_host_memory_take_the_same_steps_on_two_ranks(tmp_path):
