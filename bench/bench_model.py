@@ -4,9 +4,12 @@ Run: `python -m pytest bench/bench_model.py -q -s` (add `--benchmark-json out.js
 
 Shapes: `tiny` and a Qwen3-0.6B-shaped model (H=1024, 16/8 heads of 128, I=3072, V=151936) on one
 packed batch of T=2048 tokens in 7 sequences, fp32 on the CPU (bf16 on CUDA). On a CPU the 0.6B
-shape keeps 2 of its 28 layers (`extra_info["layers"]`): all 28 take minutes per step on a small
+shape keeps 2 of its 28 layers (`extra_info["num_layers"]`): all 28 take minutes per step on a small
 shared box; per-layer cost is uniform, so tokens/s scale as about 2/28 of the full model's,
 less the embedding share.
+
+Layers: fwd+bwd runs each shape with eager layers and with `compile_layers` (each layer's work
+around attention in two torch.compile'd regions; the warm-up round compiles).
 
 Backends: fwd+bwd uses per-sequence SDPA on CPU, because torch 2.13 has no flex_attention
 backward on CPU; flex is compared with SDPA on the forward (inference) pass there. On CUDA all
@@ -58,9 +61,9 @@ def packed_batch(vocab: int):
     return ids, positions, cu_seqlens
 
 
-def build(name: str, attention: str) -> Transformer:
+def build(name: str, attention: str, compile_layers: bool = False) -> Transformer:
     with torch.device("meta"):
-        model = Transformer(model_args(name), attention=attention)
+        model = Transformer(model_args(name), attention=attention, compile_layers=compile_layers)
     model = model.to_empty(device="cpu")
     model.init_weights(seed=0)
     return model.to(device=DEVICE, dtype=DTYPE)
@@ -71,7 +74,9 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def report(benchmark, name: str, attention: str, mode: str, args: ModelArgs) -> None:
+def report(
+    benchmark, name: str, attention: str, mode: str, args: ModelArgs, layers: str = "eager"
+) -> None:
     # Median and best rather than mean: on a shared CPU one slow round dominates a mean.
     seconds, best = benchmark.stats.stats.median, benchmark.stats.stats.min
     tokens = sum(LENGTHS)
@@ -79,9 +84,10 @@ def report(benchmark, name: str, attention: str, mode: str, args: ModelArgs) -> 
     flops = forward * (3 if mode == "fwd+bwd" else 1)
     info = {
         "model": name,
-        "layers": args.num_layers,
+        "num_layers": args.num_layers,
         "full_layers": preset(name).num_layers,
         "attention": attention,
+        "layers": layers,
         "mode": mode,
         "device": DEVICE if DEVICE == "cpu" else torch.cuda.get_device_name(),
         "dtype": str(DTYPE).removeprefix("torch."),
@@ -94,7 +100,8 @@ def report(benchmark, name: str, attention: str, mode: str, args: ModelArgs) -> 
     }
     benchmark.extra_info.update(info)
     print(
-        f"\n{name} ({args.num_layers}/{preset(name).num_layers} layers) {attention} {mode}: "
+        f"\n{name} ({args.num_layers}/{preset(name).num_layers} layers, {layers}) {attention} "
+        f"{mode}: "
         f"{info['tokens_per_s']} tokens/s (best {info['best_tokens_per_s']}), "
         f"{info['gflop_per_s']} GFLOP/s, {seconds * 1e3:.0f} ms per step (median)"
     )
@@ -109,10 +116,12 @@ def training_backends() -> list[str]:
     return backends
 
 
+@pytest.mark.parametrize("layers", ["eager", "compiled"])
 @pytest.mark.parametrize("attention", training_backends())
 @pytest.mark.parametrize("name", ["tiny", "qwen3-0.6b"])
-def test_forward_backward(benchmark, name, attention):
-    model = build(name, attention)
+def test_forward_backward(benchmark, name, attention, layers):
+    torch._dynamo.reset()
+    model = build(name, attention, compile_layers=layers == "compiled")
     ids, positions, cu_seqlens = packed_batch(model.args.vocab_size)
 
     def step():
@@ -122,7 +131,7 @@ def test_forward_backward(benchmark, name, attention):
         synchronize()
 
     benchmark.pedantic(step, rounds=3, iterations=1, warmup_rounds=1)
-    report(benchmark, name, attention, "fwd+bwd", model.args)
+    report(benchmark, name, attention, "fwd+bwd", model.args, layers)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
