@@ -9,37 +9,18 @@ the flex backend, the training configuration.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+import test_model_packed
 import torch
 from torch._dynamo.utils import counters
 
 from rlmtrain.config import ModelConfig
 from rlmtrain.model import ModelArgs, Transformer, build_model
 
-QWEN3 = ModelArgs(
-    family="qwen3",
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=10_000.0,
-    qk_norm=True,
-    tie_word_embeddings=True,
-)
-LLAMA = ModelArgs(
-    family="llama",
-    vocab_size=300,
-    hidden_size=64,
-    intermediate_size=96,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=16,
-    rope_theta=500_000.0,
-)
+# The packed-model tests' shapes with a third layer, so a graph per layer would show.
+QWEN3 = msgspec.structs.replace(test_model_packed.QWEN3, num_layers=3)
+LLAMA = msgspec.structs.replace(test_model_packed.LLAMA, num_layers=3)
 BATCHES = ((17, 130, 5), (40, 3), (64, 64, 9, 1))
 
 
