@@ -4,12 +4,13 @@ Run: `python -m pytest bench/bench_model.py -q -s` (add `--benchmark-json out.js
 
 Shapes: `tiny` and a Qwen3-0.6B-shaped model (H=1024, 16/8 heads of 128, I=3072, V=151936) on one
 packed batch of T=2048 tokens in 7 sequences, fp32 on the CPU (bf16 on CUDA). On a CPU the 0.6B
-shape keeps 2 of its 28 layers (`extra_info["num_layers"]`): all 28 take minutes per step on a small
+shape keeps 2 of its 28 layers (`extra_info["layers"]`): all 28 take minutes per step on a small
 shared box; per-layer cost is uniform, so tokens/s scale as about 2/28 of the full model's,
 less the embedding share.
 
 Layers: fwd+bwd runs each shape with eager layers and with `compile_layers` (each layer's work
-around attention in two torch.compile'd regions; the warm-up round compiles).
+around attention in two torch.compile'd regions; the warm-up round compiles;
+`extra_info["compiled_layers"]`).
 
 Backends: fwd+bwd uses per-sequence SDPA on CPU, because torch 2.13 has no flex_attention
 backward on CPU; flex is compared with SDPA on the forward (inference) pass there. On CUDA all
@@ -84,10 +85,10 @@ def report(
     flops = forward * (3 if mode == "fwd+bwd" else 1)
     info = {
         "model": name,
-        "num_layers": args.num_layers,
+        "layers": args.num_layers,
         "full_layers": preset(name).num_layers,
         "attention": attention,
-        "layers": layers,
+        "compiled_layers": layers == "compiled",
         "mode": mode,
         "device": DEVICE if DEVICE == "cpu" else torch.cuda.get_device_name(),
         "dtype": str(DTYPE).removeprefix("torch."),

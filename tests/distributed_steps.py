@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--optimizer-offload", action="store_true")
     parser.add_argument("--compile-layers", action="store_true")
     args = parser.parse_args()
+    # Past the recompile limit dynamo would run the compiled layers eager with only a warning.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
     world, device = parallel.start("cpu")
     try:

@@ -77,7 +77,7 @@ def test_train_step_times_eager_and_compiled_layers_and_profiles_them(tmp_path):
         assert result["tokens"] == 4 * 96 and result["step_s"] > 0 and result["tflops"] > 0
         profile = result["profile"]
         assert profile["by_kind_ms"]["matmul"] > 0 and profile["longest"]
-        assert sum(profile["by_kind_ms"].values()) == pytest.approx(profile["kernels_ms"])
+        assert 0 < profile["kernels_ms"] <= profile["span_ms"]
     # The compiled regions ran under FSDP2, as the trainer runs them.
     assert compiled["profile"]["by_kind_ms"].get("compiled elementwise", 0) > 0
     assert "compiled elementwise" not in eager["profile"]["by_kind_ms"]

@@ -79,19 +79,24 @@ def useful_flops(args, batch: list[Sample]) -> float:
 
 
 # Kernel (CUDA) or operator (CPU) names, lowercased, to the kind of work: the first kind with a
-# matching fragment wins. The inductor's flex attention kernels are templates ("triton_tem"),
-# its fused elementwise ones "triton_poi", "triton_red" and "triton_per".
+# matching fragment wins, so FSDP2's copies (a multi-tensor copy, chunk_cat) come before the
+# optimizer's multi-tensor kernels. "elementwise" is the eager work compiled layers fuse, casts
+# and RoPE's concatenation included. Inductor names its fused kernels "triton_poi", "triton_red"
+# and "triton_per", its flex attention templates "triton_tem"; flex attention's own compiled
+# graphs add a few fused kernels to "compiled elementwise" in an eager run too.
 KINDS = (
     ("communication", ("nccl", "c10d", "gloo")),
     ("attention", ("flash", "flex", "fmha", "attention", "triton_tem", "sdpa")),
     ("loss head", ("_logprob_", "_grpo_loss", "_row_stats", "_row_dlogits", "_dlogits")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm",
                 "aten::bmm", "aten::linear", "aten::matmul")),
+    ("fsdp copies", ("copyfunctor", "chunk_cat", "split_with_sizes_copy", "fsdp::")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("compiled elementwise", ("triton_poi", "triton_red", "triton_per", "compiledfxgraph",
                               "compiledfunction")),
-    ("copies", ("memcpy", "memset", "copy_", "aten::to", "aten::_to_copy", "aten::clone")),
-    ("elementwise", ("elementwise", "reduce", "vectorized", "unrolled", "aten::")),
+    ("memcpy and memset", ("memcpy", "memset")),
+    ("elementwise", ("elementwise", "reduce", "vectorized", "unrolled", "copy", "catarray",
+                     "aten::")),
 )  # fmt: skip
 
 
@@ -238,10 +243,11 @@ def main() -> None:
         for layers in options.layers:
             summary["results"].append(measure(options, layers, world, device))
             report(summary["results"][-1])
+            # Written after each way, so a run cut at its time limit keeps the ways it finished.
+            if options.out:
+                options.out.write_text(json.dumps(summary, indent=1))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if options.out:
-            options.out.write_text(json.dumps(summary, indent=1))
         print(json.dumps(summary))
     finally:
         parallel.stop()

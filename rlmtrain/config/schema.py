@@ -70,7 +70,7 @@ class ModelConfig(Section):
         bool,
         _doc(
             "fuse each decoder layer's norms, RoPE, SwiGLU and residual adds with torch.compile "
-            "(the training forward; attention and the native engine stay eager)"
+            "(the training forward; attention stays outside, the native engine eager)"
         ),
     ] = False
     seed: Annotated[int, _doc("seed for random initialisation", ge=0, le=SEED_MAX)] = 0

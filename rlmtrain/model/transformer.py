@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from rlmtrain.model.attention import check_choice, plan_attention
 from rlmtrain.model.presets import ModelArgs
 
-__all__ = ["Attend", "Transformer", "rope_cos_sin"]
+__all__ = ["Attend", "Transformer", "attention_inputs", "attention_output", "rope_cos_sin"]
 
 Attend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 """attend(layer_index, q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D]) -> [T, Hq, D]."""
@@ -121,16 +121,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: Tensor, cos: Tensor, sin: Tensor, attend: Callable[..., Tensor], compiled: bool
     ) -> Tensor:
-        before, after = _compiled_regions() if compiled else (attention_inputs, attention_output)
-        q, k, v = before(self, h, cos, sin)
-        return after(self, h, attend(q, k, v))
+        if not compiled:
+            q, k, v = attention_inputs(self, h, cos, sin)
+            return attention_output(self, h, attend(q, k, v))
+        before, after = _compiled_regions()
+        q, k, v = before(self, *_any_token_count(h, cos, sin))
+        return after(self, *_any_token_count(h, attend(q, k, v)))
 
 
 def attention_inputs(
     layer: DecoderLayer, h: Tensor, cos: Tensor, sin: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """A layer's work before attention: the input norm, the q/k/v projections, the q/k norms and
-    RoPE. q `[T, Hq, D]`, k and v `[T, Hkv, D]`."""
+    """A layer's work before attention on `h[T, H]`: the input norm, the q/k/v projections, the
+    q/k norms and RoPE (`cos`, `sin` `[T, 1, D]`). Returns q `[T, Hq, D]`, k and v `[T, Hkv, D]`."""
     attn = layer.self_attn
     x = layer.input_layernorm(h)
     t = x.shape[0]
@@ -143,10 +146,18 @@ def attention_inputs(
 
 
 def attention_output(layer: DecoderLayer, h: Tensor, out: Tensor) -> Tensor:
-    """A layer's work after attention (`out[T, Hq, D]`): the output projection and residual,
-    then the MLP block."""
+    """A layer's work after attention, from its input `h[T, H]` and attention's `out[T, Hq, D]`:
+    the output projection and residual, then the MLP block. Returns `[T, H]`."""
     h = h + layer.self_attn.o_proj(out.reshape(h.shape[0], -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _any_token_count(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """`tensors`, their first dimension (the tokens) marked dynamic: the count differs with every
+    packed batch, and a region compiled for the first count would compile again for the second."""
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    return tensors
 
 
 @functools.cache
@@ -154,9 +165,9 @@ def _compiled_regions() -> tuple[
     Callable[..., tuple[Tensor, Tensor, Tensor]], Callable[..., Tensor]
 ]:
     # One compiled function per region, the layer passed in: every layer has the same code and
-    # parameter shapes, so the graph compiled for the first serves all of them (two compilations
-    # per region and grad mode: the first length, then one dynamic in it). Attention stays out of
-    # the graphs: its backends bring their own kernels, and its per-batch plan would be a guard.
+    # parameter shapes, so the graph compiled for the first serves all of them (one graph per
+    # region and grad mode, the token count dynamic). Attention stays out of these graphs: its
+    # backends bring their own kernels, and its per-batch plan would be a guard.
     return torch.compile(attention_inputs), torch.compile(attention_output)
 
 
@@ -167,7 +178,8 @@ class Transformer(nn.Module):
     activation_checkpointing: recompute each layer in backward (non-reentrant checkpoint).
     compile_layers: `forward` runs each layer's work around attention as two `torch.compile`d
     regions (`attention_inputs`, `attention_output`), fusing the norms, RoPE, SwiGLU and residual
-    adds; the KV-cache paths (`hidden_states` called directly) stay eager.
+    adds; attention stays outside them, and the KV-cache paths (`hidden_states` called
+    directly) run eager.
     """
 
     def __init__(

@@ -68,10 +68,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import functools
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -208,19 +208,23 @@ def _engine_process_sees(device: torch.device | None) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-@functools.cache
+_RPC_FOLDER_LOCK = threading.Lock()
+
+
 def rpc_folder() -> str:
     """The folder of vLLM's socket files in this process: the user's `VLLM_RPC_BASE_PATH`, else
-    one made now, set in the environment (the spawned engine cores inherit it) and removed at
-    exit. One per process, not per engine: vLLM may cache its environment for good once an
-    engine core has started in this process."""
-    chosen = os.environ.get("VLLM_RPC_BASE_PATH")
-    if chosen:
-        return chosen
-    folder = tempfile.mkdtemp(prefix="rlmtrain-vllm-rpc-")
-    os.environ["VLLM_RPC_BASE_PATH"] = folder
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return folder
+    one made by the first call, set in the environment and removed at exit. One per process, not
+    per engine: vLLM may cache its environment for good once an engine core has run in this
+    process. Every process started from this one after that inherits the setting, so its own
+    vLLM sockets land in this folder too, and go with it."""
+    with _RPC_FOLDER_LOCK:
+        chosen = os.environ.get("VLLM_RPC_BASE_PATH")
+        if chosen:
+            return chosen
+        folder = tempfile.mkdtemp(prefix="rlmtrain-vllm-rpc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        return folder
 
 
 class VLLMEngine:
