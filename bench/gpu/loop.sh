@@ -11,27 +11,29 @@
 # run.sh's runs, bench/gpu/NOTES.md), each step under its own limit:
 #   set-up  ~25 s: wheels, the checkout on the interpreter's own path (for the REPL's isolated
 #           workers), the REPL jail built for the image's Python, import checks;
-#   rl_step ~150 s, limit 170: start-up ~30 s (imports, BPE, two synthetic paper groups, the
+#   rl_step ~150 s, limit 160: start-up ~30 s (imports, BPE, two synthetic paper groups, the
 #           model, the engine), step 0 with the kernels' compilation ~45 s, then 2 steps of
 #           4 tasks x 8 trees x 3 turns x 128 tokens (the native engine's decode rate on a GPU is
 #           unmeasured: ~25 s a step at 60 ms per decode step), the export ~5 s. Stopped at its
 #           limit by SIGTERM, the trainer unwinds and the script still prints the steps it did;
-#   train_step ~90 s, limit 110: per way of running the layers, the model ~5 s, a first step
-#           with the kernels' compilation (~15 s eager, ~45 s with the layers' two regions
-#           compiled by inductor, forward and backward), three timed steps of 64 samples
-#           (132,718 tokens; 3.2 s each eager in run 4 of run.sh), one profiled step;
-#   memory_budget ~110 s, limit 150: the 4B policy initialised on the CPU ~25 s (one whole
+#   train_step ~120 s, limit 130: the interpreter and CUDA ~10 s; per way of running the
+#           layers, the model ~5 s, a first step with the kernels' compilation (~15 s eager,
+#           ~45 s with the layers' two regions compiled by inductor, forward and backward), two
+#           timed steps of 64 samples (132,718 tokens; 3.2 s each eager in run 4 of run.sh), one
+#           profiled step and its summary (~10 s);
+#   memory_budget ~110 s, limit 140: the 4B policy initialised on the CPU ~25 s (one whole
 #           parameter at a time, as the trainer builds it), two steps of 2 x 32768 tokens (~5 s
 #           each: 8 x 4.0e9 x 65536 FLOPs with activation checkpointing) after ~50 s of
-#           compilation (the loss's kernels and the layers' regions). The whole model's states are 60 GiB; on an H100's 79.6 GiB, beside
-#           the activations (~12 GiB) and AdamW's foreach temporaries (one fp32 copy of the
-#           parameters, 15 GiB), they would not fit, so on a card under 100 GB AdamW's moments
-#           go to host memory (--optimizer-offload, 30 GiB on the card): the offloaded step on
-#           CUDA measured too. Running out is reported as a result, with the part that ran out;
+#           compilation (the loss's kernels and the layers' regions). The whole model's states
+#           are 60 GiB; on an H100's 79.6 GiB, beside the activations (~12 GiB) and AdamW's
+#           foreach temporaries (one fp32 copy of the parameters, 15 GiB), they would not fit,
+#           so on a card under 100 GB AdamW's moments go to host memory (--optimizer-offload,
+#           30 GiB on the card): the offloaded step on CUDA measured too. Running out is
+#           reported as a result, with the part that ran out;
 #   sync_buckets ~40 s, limit 60: a spawned CUDA process, 2 sizes x 4 syncs of 8 GB;
 #   pytest -m gpu ~90 s, limit what is left of 575 s, at most 120, skipped under 20 (run.sh's
 #           test step ran its 11 files within 120 s).
-# Estimates add up to about 500 s with the set-up and the limits before the tests to 490 s after
+# Estimates add up to about 535 s with the set-up and the limits before the tests to 490 s after
 # it, so a step that hangs is cut by its own limit and the steps after it still run; the tests
 # get the rest, and the whole call is cut at 600 s at worst, and returns what finished.
 #
@@ -64,19 +66,19 @@ env -i "$(python3 -c 'import sys; print(sys.executable)')" -I -c "import rlmtrai
 step "RL step: Qwen3-0.6B shape, native engine, 4 tasks x 8 trees, 3 steps"
 # SIGTERM, not SIGINT: the trainer unwinds on it (engine, REPLs) and the script sums up the
 # steps that finished.
-timeout -s TERM -k 15 170 python3 bench/gpu/rl_step.py --out "$LOGS/rl-step.json" \
+timeout -s TERM -k 15 160 python3 bench/gpu/rl_step.py --out "$LOGS/rl-step.json" \
     >"$LOGS/rl-step.log" 2>&1
 sed -n '/^RL step/,/^{/p' "$LOGS/rl-step.log" | grep -v '^{' || tail -n 15 "$LOGS/rl-step.log"
 
 step "train step: Qwen3-0.6B shape, 64 samples of 1-3k tokens, eager and compiled layers"
-limit 110 python3 bench/gpu/train_step.py --layers eager compiled --profile \
+limit 130 python3 bench/gpu/train_step.py --layers eager compiled --steps 2 --profile \
     --out "$LOGS/train-step.json" >"$LOGS/train-step.log" 2>&1
 grep -v '^{' "$LOGS/train-step.log" | tail -n 50
 
 step "memory and MFU: Qwen3-4B shape, compiled layers, 2 micro-batches of 32768 tokens, one GPU"
 offload=$(python3 -c "import torch
 print('--optimizer-offload' if torch.cuda.get_device_properties(0).total_memory < 100e9 else '')")
-limit 150 python3 bench/gpu/memory_budget.py $offload --compile-layers --out "$LOGS/memory.json" \
+limit 140 python3 bench/gpu/memory_budget.py $offload --compile-layers --out "$LOGS/memory.json" \
     >"$LOGS/memory.log" 2>&1
 sed -n '/^GRPO step memory/,/^{/p' "$LOGS/memory.log" | grep -v '^{' || tail -n 15 "$LOGS/memory.log"
 
