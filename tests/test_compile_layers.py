@@ -37,11 +37,8 @@ def fresh_dynamo():
 
 
 def packed(vocab: int, lengths: tuple[int, ...], device: str = "cpu"):
-    gen = torch.Generator().manual_seed(sum(lengths))
-    tokens = torch.randint(0, vocab, (sum(lengths),), generator=gen)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0)
-    return tokens.to(device), positions.to(device), cu_seqlens.to(device)
+    """The model's packed inputs (tokens, positions, cu_seqlens) for sequences of `lengths`."""
+    return test_model_packed.packed_inputs(vocab, device, lengths)[1:]
 
 
 def forward_backward(model: Transformer, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
