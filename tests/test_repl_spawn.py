@@ -123,8 +123,8 @@ def _children() -> set[int]:
 
 
 def test_a_zygote_whose_start_fails_leaves_no_process_and_no_descriptor(tmp_path):
-    """Its temporary root cannot be made (the folder is missing): the started interpreter is
-    killed and reaped, and its pidfd and socket are closed."""
+    """Its temporary root cannot be made (the folder is missing): no interpreter is left and no
+    descriptor stays open (an interpreter that cannot start: test_repl_temp_roots)."""
 
     async def body():
         with pytest.raises(FileNotFoundError):

@@ -41,7 +41,9 @@ Design (process side in `rlmtrain.rlm.worker`, jail in `csrc/jail.c`):
 - The zygote dies with the thread that started it (PR_SET_PDEATHSIG follows the parent
   thread): start zygotes from the thread that runs the event loop. A trainer killed without
   closing its zygotes leaves nothing: each zygote then kills its workers and removes its
-  temporary root itself.
+  temporary root itself. A job killed as a whole (zygotes included) leaves its roots, which the
+  next zygote started under that temp folder removes (`temp_roots`: a root is locked while its
+  trainer or zygote lives).
 - Each worker runs as its own unprivileged uid (`uid_base + slot`, the base derived from the
   zygote's pid so that concurrent zygotes do not share uids) in its own empty directory under
   the zygote's temporary root; both are released when the worker is gone.
@@ -59,7 +61,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -89,6 +90,7 @@ from rlmtrain.rlm.protocol import (
 )
 from rlmtrain.rlm.spawn import Child
 from rlmtrain.rlm.teardown import disk_usage, remove_tree, unlinked_open_bytes
+from rlmtrain.rlm.temp_roots import TempRoot
 
 __all__ = ["DEFAULT_PRELOAD", "ExecResult", "QueryHandler", "ReplLimits", "Session", "Zygote"]
 
@@ -266,10 +268,11 @@ def _uid_block_start(zygote_pid: int, uid_map: str = "/proc/self/uid_map") -> in
 class Zygote:
     """One per task context: tools imported and context loaded once, then a fork per session."""
 
-    def __init__(self, *, process: Child, limits: ReplLimits, temp_root: str):
+    def __init__(self, *, process: Child, limits: ReplLimits, root: TempRoot):
         self._process = process
         self.limits = limits
-        self.temp_root = temp_root
+        self._root = root
+        self.temp_root = root.path
         self._channel: ControlChannel | None = None
         self._booted: asyncio.Future = asyncio.get_running_loop().create_future()
         self._spawns: dict[int, asyncio.Future] = {}
@@ -299,6 +302,7 @@ class Zygote:
             log.warning(
                 "REPL workers run as the trainer's uid (not root): no per-worker uid isolation"
             )
+        root = await asyncio.to_thread(TempRoot.claim, temp_dir)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             process = Child.start(
@@ -310,7 +314,8 @@ class Zygote:
                     str(theirs.fileno()),
                     str(os.getpid()),
                 ],
-                pass_fds=[theirs.fileno()],
+                # The root's lock goes with the zygote: held until both of us are gone.
+                pass_fds=[theirs.fileno(), root.lock_fd],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 env=_worker_env(),
@@ -318,16 +323,11 @@ class Zygote:
             )
         except BaseException:
             ours.close()
+            root.remove()
             raise
         finally:
             theirs.close()
-        try:
-            temp_root = tempfile.mkdtemp(prefix="rlmtrain-repl-", dir=temp_dir)
-        except BaseException:
-            process.kill_now()
-            ours.close()
-            raise
-        zygote = cls(process=process, limits=limits, temp_root=temp_root)
+        zygote = cls(process=process, limits=limits, root=root)
         try:
             zygote._channel = ControlChannel(ours, zygote._on_message, zygote._on_eof)
             await zygote._channel.send(
@@ -506,7 +506,9 @@ class Zygote:
             await self._process.wait()
         if self._channel is not None:
             self._channel.close()
-        await _remove_directory(self.temp_root)
+        problems = await asyncio.to_thread(self._root.remove)
+        if problems:
+            log.warning("could not remove all of %s: %s", self.temp_root, "; ".join(problems))
         if self._cgroup is not None:
             self._cgroup.remove()
 
