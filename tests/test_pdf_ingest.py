@@ -196,3 +196,37 @@ def test_ingest_recurses_and_names_papers_by_stem(tmp_path, name):
     out = tmp_path / "c.jsonl"
     assert main(["data", "ingest", str(tmp_path / "in"), "--out", str(out), "--no-progress"]) == 0
     assert list(read_corpus(out)) == [path.stem]
+
+
+def test_a_file_name_that_is_not_utf8_is_skipped_by_name_and_the_rest_ingested(tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    _pdf(folder / "good.pdf", BODY)
+    shutil.copy(folder / "good.pdf", bytes(folder) + b"/bad\xff.pdf")
+    out = tmp_path / "c.jsonl"
+    assert main(["data", "ingest", str(folder), "--out", str(out), "--no-progress"]) == 0
+    report = capsys.readouterr().out
+    assert "ingested 1 of 2 files" in report
+    assert "bad\\xff.pdf" in report and "not UTF-8" in report
+    assert list(read_corpus(out)) == ["good"]
+
+
+def test_a_corpus_write_that_fails_leaves_the_corpus_there_as_it_was(tmp_path):
+    from rlmtrain.envs.pdf import write_corpus
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    paper = parse_pdf(_pdf(folder / "good.pdf", BODY))
+    out = tmp_path / "c.jsonl"
+    out.write_text("the corpus of an earlier ingest\n")
+
+    def papers_then_a_full_disk():
+        yield paper
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_corpus(out, papers_then_a_full_disk())
+    assert out.read_text() == "the corpus of an earlier ingest\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "in"]
+    assert write_corpus(out, [paper]) == 1
+    assert list(read_corpus(out)) == ["good"]

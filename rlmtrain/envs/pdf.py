@@ -31,6 +31,7 @@ pool (pdfium is not thread-safe, and parsing is CPU-bound).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -359,7 +360,18 @@ def ingest_dir(
         for p in pdf_dir.rglob("*")
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(pdf_dir).parts)
     )
+    # A paper's id and source are its file's name, and a corpus is UTF-8 JSON: a name that is
+    # not UTF-8 (bytes the file system keeps as they are) is reported, printably, not parsed.
+    unnamed = [p for p in paths if not _utf8(str(p))]
+    paths = [p for p in paths if _utf8(str(p))]
     papers, skipped = ingest_files(paths, workers=workers, progress=progress)
+    skipped += [
+        SkippedFile(
+            path=os.fsencode(p).decode("utf-8", "backslashreplace"),
+            reason="its name is not UTF-8; rename it",
+        )
+        for p in unnamed
+    ]
     duplicate = [id_ for id_, n in Counter(p.id for p in papers).items() if n > 1]
     if duplicate:
         raise IngestError(f"{pdf_dir}: several files share the paper id(s) {', '.join(duplicate)}")
@@ -367,15 +379,31 @@ def ingest_dir(
     return IngestSummary(papers=len(papers), skipped=skipped)
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def write_corpus(path: str | Path, papers: Iterable[Paper]) -> int:
-    """Write papers as JSON lines; returns how many were written."""
+    """Write papers as JSON lines; returns how many were written. Written beside `path` and
+    renamed into place: a write that fails leaves a corpus already there as it was."""
     encoder = msgspec.json.Encoder()
     n = 0
-    with open(path, "wb") as f:
-        for paper in papers:
-            f.write(encoder.encode(paper))
-            f.write(b"\n")
-            n += 1
+    partial = f"{path}.partial"
+    try:
+        with open(partial, "wb") as f:
+            for paper in papers:
+                f.write(encoder.encode(paper))
+                f.write(b"\n")
+                n += 1
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
     return n
 
 
