@@ -6,8 +6,9 @@ A checkpoint is a folder `<checkpoint.dir>/checkpoints/<phase>-<step>` holding
   through `torch.distributed.checkpoint` (`get_state_dict` / `set_state_dict`), so a run of N
   ranks writes N shards and never gathers the whole model on one;
 - `trainer.json`: the phase, the steps of it taken, the LR in force, the run's seed and world
-  size, and the config values the LR, exploration-bonus and tool-credit schedules follow (the
-  data cursors and the schedules' positions are functions of the phase and step);
+  size, the config values the LR, exploration-bonus and tool-credit schedules follow, and those
+  its synthesised tasks and their order follow (the data cursors and the schedules' positions
+  are functions of the phase and step);
 - `rng-<rank>.pkl`: every rank's python, numpy and torch (and CUDA) generator states;
 - `COMPLETE`: written last, a manifest of every other file's size.
 
@@ -66,6 +67,9 @@ class TrainerState(msgspec.Struct, kw_only=True):
     schedules: dict[str, float | int | str] = msgspec.field(default_factory=dict)
     """The config values the schedules follow, by dotted key (`resume.SCHEDULE_KEYS`); empty in
     a checkpoint written before they were recorded."""
+    data: dict[str, float | int | str] = msgspec.field(default_factory=dict)
+    """The config values the synthesised tasks and their order follow (`resume.DATA_KEYS`);
+    empty in a checkpoint written before they were recorded."""
     optimizer_stepped: bool | None = None
     """Whether the optimizer had taken a step (and so holds state) when this was written. An
     RL phase whose first steps found nothing to learn from checkpoints a fresh optimizer, and a

@@ -1,10 +1,12 @@
 """Where a run goes on from: the checkpoint `checkpoint.resume` continues, and the starting state
 of a run that has none.
 
-A resumed run must be the same run: its seed and its schedules (the LR schedule, the exploration
-bonus's and the tool credit's) are recorded in every checkpoint and checked against the config
-before anything is loaded, since the generators restored from the checkpoint would otherwise
-silently overrule the config, and a schedule changed midway is no longer the run's schedule.
+A resumed run must be the same run: its seed, its schedules (the LR schedule, the exploration
+bonus's and the tool credit's) and the settings its synthesised data and task order follow are
+recorded in every checkpoint and checked against the config before anything is loaded, since
+the generators restored from the checkpoint would otherwise silently overrule the config, a
+schedule changed midway is no longer the run's schedule, and a resume under another data seed
+would synthesise other tasks over the run's own and train on them.
 """
 
 from __future__ import annotations
@@ -43,9 +45,31 @@ the exception where nothing depends on it (`_rl_length_free`): a finished run th
 more RL steps when they are asked for."""
 
 
+DATA_KEYS = (
+    "data.env",
+    "data.seed",
+    "data.synth_groups",
+    "data.sft_groups",
+    "data.eval_groups",
+    "data.synth_max_papers",
+    "data.teacher_flawed_share",
+)
+"""Config keys the synthesised task sets and the task order are functions of. Task files a run
+reads (`data.*_path`) are not among them: a file moved between the run's start and its resume
+is the same file."""
+
+
 def schedules(cfg: Config) -> dict[str, float | int | str]:
+    return _values(cfg, SCHEDULE_KEYS)
+
+
+def data_settings(cfg: Config) -> dict[str, float | int | str]:
+    return _values(cfg, DATA_KEYS)
+
+
+def _values(cfg: Config, keys: tuple[str, ...]) -> dict[str, float | int | str]:
     values = {}
-    for key in SCHEDULE_KEYS:
+    for key in keys:
         section, name = key.split(".")
         values[key] = getattr(getattr(cfg, section), name)
     return values
@@ -86,6 +110,21 @@ def _check_schedules(
         )
 
 
+def _check_data(
+    checkpoint: Path, recorded: dict[str, float | int | str], wanted: dict[str, float | int | str]
+) -> None:
+    changed = [
+        f"{key}={recorded[key]!r} (the config says {wanted[key]!r})"
+        for key in DATA_KEYS
+        if key in recorded and recorded[key] != wanted[key]
+    ]
+    if changed:
+        raise CheckpointError(
+            f"{checkpoint}: its run's tasks follow {', '.join(changed)}; resume with the "
+            "checkpoint's values, or start a new run in another checkpoint.dir"
+        )
+
+
 def resume_point(cfg: Config, folder: RunFolder) -> Path | None:
     """The checkpoint `checkpoint.resume` continues from; None for a fresh run (also when the
     run has none yet). An incomplete or damaged newest one, or one whose schedules the config
@@ -106,6 +145,7 @@ def resume_point(cfg: Config, folder: RunFolder) -> Path | None:
         return None
     recorded = checkpointing.trainer_state(found)
     _check_schedules(found, recorded.schedules, schedules(cfg))
+    _check_data(found, recorded.data, data_settings(cfg))
     if recorded.seed != cfg.train.seed:
         # The data order and every sample drawn follow the seed; the generators restored from
         # the checkpoint would silently overrule the config's.
@@ -115,6 +155,25 @@ def resume_point(cfg: Config, folder: RunFolder) -> Path | None:
             "another checkpoint.dir"
         )
     return found
+
+
+def after_a_stop(cfg: Config) -> str:
+    """What running the same command again does, for the line that reports a stopped run."""
+    folder = RunFolder.of(cfg)
+    try:
+        found = checkpointing.latest(folder.root)
+    except CheckpointError as exc:
+        return f"its newest checkpoint cannot be resumed: {exc}"
+    if found is None:
+        if cfg.checkpoint.every == 0:
+            return (
+                "no checkpoint was saved (checkpoint.every = 0), so the same command starts "
+                "over; checkpoint.every = N saves one every N steps"
+            )
+        return "no checkpoint was saved yet, so the same command starts over"
+    if cfg.checkpoint.resume:
+        return f"the same command resumes from {found}"
+    return f"the same command with --checkpoint.resume=true resumes from {found}"
 
 
 def starting_state(
@@ -133,10 +192,11 @@ def starting_state(
         seed=cfg.train.seed,
         world_size=world_size,
         schedules=schedules(cfg),
+        data=data_settings(cfg),
     )
     if resume_from is None:
         return fresh
     loaded = checkpointing.load(resume_from, model, optimizer)
     log.info("resumed from %s: %s step %d", resume_from, loaded.phase, loaded.step)
     # Checked equal by `resume_point`; recorded anew where an older checkpoint had none.
-    return msgspec.structs.replace(loaded, schedules=fresh.schedules)
+    return msgspec.structs.replace(loaded, schedules=fresh.schedules, data=fresh.data)

@@ -37,6 +37,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from rlmtrain import parallel
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.launch import check_launcher
+from rlmtrain.resume import after_a_stop
 from rlmtrain.training.rl import rl_phase
 from rlmtrain.training.sft import sft_phase
 from rlmtrain.training.split import serve_rollouts
@@ -65,7 +66,7 @@ def main(cfg: Config) -> int:
         # scheduler's preemption) unwinds the run like an exception wherever it is, inside a
         # train step too, so its cleanup runs: the engine is closed (vLLM's engine processes
         # would otherwise outlive the trainer, orphaned and polling a core), REPL zygotes and
-        # the run log too. The run resumes from its newest checkpoint.
+        # the run log too. The line it ends with says what running the same command again does.
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             # Log lines print above the run's progress bar instead of cutting through it.
@@ -74,7 +75,7 @@ def main(cfg: Config) -> int:
                     return uvloop.run(serve_rollouts(world, device))
                 return uvloop.run(_train(cfg, world, device))
         except _Terminated:
-            log.warning("stopped by SIGTERM; the same command resumes from the newest checkpoint")
+            log.warning("stopped by SIGTERM; %s", after_a_stop(cfg))
             return 128 + signal.SIGTERM
         finally:
             signal.signal(signal.SIGTERM, previous)

@@ -253,6 +253,21 @@ def test_a_resume_under_another_seed_is_refused_in_one_line(tmp_path, two_tasks,
     assert "train.seed=0" in line and "7" in line, line
 
 
+def test_a_resume_under_another_data_seed_is_refused_and_touches_nothing(
+    tmp_path, two_tasks, one_step_run
+):
+    """The data seed orders the tasks (and seeds any synthesised set): resumed under another,
+    the run would go on over other tasks, or synthesise them over its own."""
+    run = _one_checkpoint(tmp_path, one_step_run)
+    recorded = json.loads((run / "checkpoints" / "sft-000001" / "trainer.json").read_text())
+    assert recorded["data"]["data.seed"] == 0 and recorded["data"]["data.env"] == "evidence"
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    line = _refusal(_train(run, two_tasks, "--checkpoint.resume=true", "--data.seed=7"))
+    assert str(run / "checkpoints" / "sft-000001") in line, line
+    assert "data.seed=0 (the config says 7)" in line, line
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
 def test_a_resume_into_another_model_shape_is_refused_in_one_line(
     tmp_path, two_tasks, one_step_run
 ):
@@ -346,3 +361,25 @@ def test_a_resumed_run_reads_its_tokenizer_instead_of_training_another(tmp_path)
     assert resumed.encode(first[0]) == trained.encode(first[0])
     with pytest.raises(ConfigError, match="holds no tokenizer"):
         run_tokenizer(cfg, _Texts(first), [], RunFolder(tmp_path / "empty"), world, resuming=True)
+
+
+def test_a_stopped_run_says_what_the_same_command_does_next(tmp_path, one_step_run):
+    """The line a SIGTERMed run ends with: resumed, resumable with the switch, or started over."""
+    from rlmtrain.config import load_config
+    from rlmtrain.resume import after_a_stop
+
+    run = _one_checkpoint(tmp_path, one_step_run)
+    newest = run / "checkpoints" / "sft-000001"
+    folder = f"--checkpoint.dir={run}"
+    resuming = load_config(None, [folder, "--checkpoint.resume=true"])
+    assert after_a_stop(resuming) == f"the same command resumes from {newest}"
+    fresh = load_config(None, [folder, "--checkpoint.resume=false"])
+    assert after_a_stop(fresh) == (
+        f"the same command with --checkpoint.resume=true resumes from {newest}"
+    )
+    (newest / "COMPLETE").unlink()
+    assert after_a_stop(resuming).startswith("its newest checkpoint cannot be resumed")
+    empty = f"--checkpoint.dir={tmp_path / 'empty'}"
+    assert "starts over; checkpoint.every = N" in after_a_stop(load_config(None, [empty]))
+    saving = load_config(None, [empty, "--checkpoint.every=5"])
+    assert after_a_stop(saving) == "no checkpoint was saved yet, so the same command starts over"

@@ -126,7 +126,8 @@ def test_sigterm_stops_the_run_and_its_vllm_engine(tmp_path: Path) -> None:
         trainer.send_signal(signal.SIGTERM)
         _, stderr = trainer.communicate(timeout=RUN_HANG_S)
         assert trainer.returncode == 143, stderr[-3000:]
-        assert "stopped by SIGTERM" in stderr
+        assert "stopped by SIGTERM; the same command resumes from " in stderr, stderr[-3000:]
+        assert str(checkpoints / "sft-") in stderr, stderr[-3000:]
         _, alive = psutil.wait_procs(below, timeout=60)
         assert alive == [], f"left running: {[(p.pid, p.name()) for p in alive]}"
     finally:
