@@ -10,6 +10,7 @@ from rlmtrain_kernels import (
     fused_linear_logprob,
     fused_linear_nll,
     grpo_loss,
+    triton_unusable_reason,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "fused_linear_logprob",
     "fused_linear_nll",
     "grpo_loss",
+    "triton_unusable_reason",
 ]

@@ -79,6 +79,10 @@ def test_show_output_round_trips(run_file):
         ("", ["--train.device=gpu"], "train.device"),
         ("", ["--train.seed=-1"], "train.seed"),
         ("", ["--model.seed=4294967296"], "model.seed"),
+        ("[train]\nlr = inf\n", [], "key 'train.lr': must be finite, got inf"),
+        ("", ["--algo.kl_beta=inf"], "key 'algo.kl_beta': must be finite"),
+        ("", ["--train.adam_betas=[0.9, inf]"], r"key 'train.adam_betas\[1\]': must be finite"),
+        ("", ["--eval.samples=100000000000000000000"], "key 'eval.samples': must fit in 64 bits"),
     ],
 )
 def test_bad_input_names_the_key(run_file, text, overrides, named):
@@ -200,6 +204,21 @@ def test_colocation_off_cuda_is_refused_in_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "rollout.colocate" in lines[0] and "cpu" in lines[0]
+    assert not any(tmp_path.iterdir())
+
+
+def test_triton_losses_where_they_cannot_run_are_refused_in_one_line(tmp_path, monkeypatch):
+    """Before any work (it used to fail at the first SFT step, after the data and the teacher)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    result = run_cli(
+        "train", "--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={tmp_path}",
+        "--train.loss_impl=triton", "--train.device=cpu",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "train.loss_impl: 'triton' cannot run on cpu" in lines[0], lines[0]
+    assert "TRITON_INTERPRET=1" in lines[0], lines[0]
     assert not any(tmp_path.iterdir())
 
 

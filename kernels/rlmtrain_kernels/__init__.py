@@ -31,7 +31,7 @@ rollout batch; the ratio is 1, its gradient the policy gradient). Rows whose tar
 logits with a matrix product and read them with Triton passes per row (`logit_slabs`).
 """
 
-from ._backend import KernelBackendUnavailable
+from ._backend import KernelBackendUnavailable, triton_unusable_reason
 from .fused_grpo import fused_linear_grpo_loss
 from .fused_nll import fused_linear_nll
 from .grpo_loss import GRPOMetrics, grpo_loss
@@ -46,4 +46,5 @@ __all__ = [
     "fused_linear_logprob",
     "fused_linear_nll",
     "grpo_loss",
+    "triton_unusable_reason",
 ]

@@ -65,7 +65,8 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _triton_unusable_reason(device: torch.device) -> str | None:
+def triton_unusable_reason(device: torch.device) -> str | None:
+    """Why impl="triton" cannot run on `device`; None where it can."""
     if not HAS_TRITON:
         return "the triton package is not installed (pip install triton)"
     if device.type == "cuda" or (device.type == "cpu" and triton_interpreting()):
@@ -87,7 +88,7 @@ def resolve_impl(impl: str, device: torch.device, op: str) -> str:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "torch":
         return "torch"
-    reason = _triton_unusable_reason(device)
+    reason = triton_unusable_reason(device)
     if impl == "triton":
         if reason is not None:
             raise KernelBackendUnavailable(f"{op}: impl='triton' cannot run: {reason}")

@@ -9,6 +9,7 @@ file.
 
 from __future__ import annotations
 
+import math
 import tomllib
 import typing
 from pathlib import Path
@@ -25,10 +26,39 @@ def _validate(raw: dict[str, Any], source: str) -> Config:
         config = msgspec.convert(raw, Config, strict=True)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {_readable(str(exc))}") from None
-    problem = preflight(config)
+    problem = _out_of_range(config) or preflight(config)
     if problem:
         raise ConfigError(f"{source}: {problem}")
     return config
+
+
+_INT_MAX = 2**63 - 1
+
+
+def _out_of_range(value: Any, where: str = "") -> str | None:
+    """The first number no setting can mean: an infinite float (the schema's bounds let `inf`
+    through where they have no upper one, and it would poison a run a step later) or an int
+    past 64 bits (which torch and numpy cannot hold)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"key '{where}': must be finite, got {value}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT_MAX:
+        return f"key '{where}': must fit in 64 bits, got {value}"
+    if isinstance(value, msgspec.Struct):
+        fields = (
+            (f"{where}.{name}" if where else name, getattr(value, name))
+            for name in value.__struct_fields__
+        )
+    elif isinstance(value, dict):
+        fields = ((f"{where}.{key}", item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        fields = ((f"{where}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    for name, item in fields:
+        problem = _out_of_range(item, name)
+        if problem:
+            return problem
+    return None
 
 
 def _readable(message: str) -> str:

@@ -19,6 +19,7 @@ import torch
 from rlmtrain import memory, parallel
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs.base import Env, Task, check_env_name, get_env
+from rlmtrain.kernels import triton_unusable_reason
 from rlmtrain.launch import check_shared_folder
 from rlmtrain.model import PRESETS, model_skeleton
 from rlmtrain.model.bpe import BPE_FILES, train_bpe
@@ -40,9 +41,10 @@ T = TypeVar("T")
 def check_run_rules(cfg: Config, device: torch.device) -> None:
     """The rules of a training run that the config alone cannot check (`config.rules` checks
     those at load): a known preset and env, replicas that divide the world, a root a step for
-    every rank's engine, an engine that samples the policy, colocation on a GPU, wandb
-    installed where a W&B project is set. Refused before anything starts; the env's own rules
-    (`Env.teacher`'s limits) follow in `start_run`, before anything is written."""
+    every rank's engine, an engine that samples the policy, colocation on a GPU, Triton loss
+    kernels where they can run, wandb installed where a W&B project is set. Refused before
+    anything starts; the env's own rules (`Env.teacher`'s limits) follow in `start_run`, before
+    anything is written."""
     if not cfg.model.hf_dir and cfg.model.preset not in PRESETS:
         raise ConfigError(
             f"model.preset: unknown preset {cfg.model.preset!r}; known: {', '.join(PRESETS)}"
@@ -60,6 +62,11 @@ def check_run_rules(cfg: Config, device: torch.device) -> None:
             f"train.tasks_per_step: {cfg.train.tasks_per_step} x rollout.n_samples "
             f"{cfg.rollout.n_samples} = {roots} roots a step leave engines of {engines} "
             "ranks idle; raise either to at least the number of ranks that roll out"
+        )
+    if cfg.train.loss_impl == "triton" and triton_unusable_reason(device):
+        raise ConfigError(
+            f"train.loss_impl: 'triton' cannot run on {device}: "
+            f"{triton_unusable_reason(device)} ('auto' picks what runs)"
         )
     if cfg.rollout.colocate and device.type != "cuda":
         raise ConfigError(
