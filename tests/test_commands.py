@@ -65,6 +65,26 @@ def test_bad_input_is_one_line_and_exit_2_from_every_command(tmp_path, capsys, c
     assert needle in err[0], err[0]
 
 
+@pytest.mark.parametrize("command", ["train", "rollout"])
+def test_a_model_hf_dir_that_describes_no_model_is_one_line(tmp_path, capsys, command):
+    """As `eval --checkpoint` says it (these were tracebacks from deep in the model's build)."""
+    from rlmtrain.config import ModelConfig
+    from rlmtrain.model import build_model, save_hf
+
+    model = tmp_path / "model"
+    save_hf(build_model(ModelConfig()), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "hidden_size": "256"}))
+    argv = [command, "--config", DEFAULT, f"--checkpoint.dir={tmp_path / 'run'}"]
+    argv += [f"--model.hf_dir={model}", "--model.tokenizer=byte", "--logging.progress=false"]
+    if command == "rollout":
+        argv += ["--out", str(tmp_path / "trees.jsonl")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"rlmtrain {command}: error: {model / 'config.json'}: "), err[-1]
+    assert "Traceback" not in "\n".join(err)
+
+
 def test_only_the_front_door_reports_user_errors():
     """No command catches bad input and prints it itself: one handler, one format."""
     for path in sorted((ROOT / "rlmtrain").rglob("*.py")):

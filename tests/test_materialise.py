@@ -108,3 +108,15 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_tensor(tmp_path, c
     cfg = msgspec.structs.replace(TINY, hf_dir=str(tmp_path))
     with pytest.raises(CheckpointError, match=message):
         sharded_policy(cfg, CPU, torch.float32)
+
+
+def test_a_config_json_far_larger_than_its_weights_is_refused_before_any_shard(tmp_path):
+    """Checked on the meta skeleton: vocab_size 1e12 would otherwise allocate its shards first."""
+    save_hf(build_model(TINY), tmp_path)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(
+        json.dumps({**json.loads(config_path.read_text()), "vocab_size": 10**12})
+    )
+    cfg = msgspec.structs.replace(TINY, hf_dir=str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"embed_tokens\.weight' has shape \(300, "):
+        sharded_policy(cfg, CPU, torch.float32)

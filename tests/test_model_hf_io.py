@@ -215,3 +215,72 @@ def test_missing_weights_and_config_are_named(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="neither model.safetensors nor"):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": "96"}, r"does not describe a model: Expected `int`, got `str`"),
+        ({"hidden_size": None}, r"Expected `int`, got `null`"),
+        ({"hidden_size": -96}, r"hidden_size must be >= 1"),
+        ({"num_hidden_layers": 0}, r"num_layers must be >= 1"),
+        ({"num_key_value_heads": 4}, r"not a multiple of num_kv_heads=4"),
+        ({"num_attention_heads": 4.5}, r"Expected `int`, got `float`"),
+        ({"num_attention_heads": 0, "head_dim": None}, r"does not describe a model"),
+        ({"rope_theta": "abc"}, r"Expected `float`, got `str`"),
+        ({"rope_scaling": {"rope_type": "llama3"}}, r"rope_scaling\.factor"),
+        ({"rope_scaling": [1]}, r"rope_scaling is not an object"),
+        ({"rms_norm_eps": float("nan")}, r"rms_norm_eps must be a positive number, got nan"),
+    ],
+)
+def test_a_config_json_value_that_builds_no_model_is_named(tmp_path, change, message):
+    """Each was a TypeError, ZeroDivisionError, KeyError or ValueError from deep in the
+    model's construction, on the training and rollout paths (eval caught some of them)."""
+    save_hf(random_model(QWEN3_TIED), tmp_path)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **change}))
+    with pytest.raises(CheckpointError, match=f"{config_path}: .*{message}"):
+        load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"[1]", b"\xff\xfe", b'"a model"'])
+def test_a_config_json_that_is_no_json_object_is_named(tmp_path, content):
+    save_hf(random_model(QWEN3_TIED), tmp_path)
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'config.json'}: "):
+        load_hf(tmp_path)
+
+
+def test_a_config_json_far_larger_than_its_weights_is_refused_before_allocating(tmp_path):
+    """vocab_size 1e12 would ask for terabytes before a weight is read."""
+    save_hf(random_model(QWEN3_TIED), tmp_path)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(
+        json.dumps({**json.loads(config_path.read_text()), "vocab_size": 10**12})
+    )
+    with pytest.raises(CheckpointError, match=r"embed_tokens\.weight' has shape \(1000, 96\), but"):
+        load_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b"[1, 2]", "its header is not an object"),
+        (b'{"w": {"dtype": "F32", "shape": 5, "data_offsets": [0, 4]}}', "malformed header"),
+    ],
+)
+def test_a_safetensors_header_that_is_no_header_is_named(tmp_path, header, message):
+    save_hf(random_model(QWEN3_TIED), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 64)
+    with pytest.raises(CheckpointError, match=f"{weights}: .*{message}"):
+        load_hf(tmp_path)
+
+
+def test_a_safetensors_length_past_the_file_is_not_read(tmp_path):
+    """Random bytes: the first eight read as a header length of exabytes (a MemoryError)."""
+    save_hf(random_model(QWEN3_TIED), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\xff" * 4096)
+    with pytest.raises(CheckpointError, match="its header would end past the file"):
+        load_hf(tmp_path)

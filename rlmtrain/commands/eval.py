@@ -71,46 +71,23 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def load_checkpoint(directory: Path, config: Config) -> Any:
-    """The model saved in `directory`, in `model.dtype` with `model.attention`.
+    """The model saved in `directory`, in `model.dtype` with `model.attention`; a missing folder,
+    a config.json that does not describe a model and missing or unreadable weights are a
+    `CheckpointError` naming the path."""
+    from rlmtrain.model import build_model
 
-    Raises `CheckpointError` naming the path for a missing folder, a config.json that is not a
-    JSON object or does not describe a model, and missing or unreadable weights.
-    """
-    from rlmtrain.model import CheckpointError, build_model
-
-    config_path = _check_folder(directory)
-    model_config = msgspec.structs.replace(config.model, hf_dir=str(directory))
-    try:
-        return build_model(model_config)
-    except CheckpointError:
-        raise
-    except (TypeError, ValueError, KeyError) as exc:
-        # A config.json whose values do not build a model (a string where a size goes, ...).
-        raise CheckpointError(
-            f"{config_path}: does not describe a model: {type(exc).__name__}: {exc}"
-        ) from None
+    _check_folder(directory)
+    return build_model(msgspec.structs.replace(config.model, hf_dir=str(directory)))
 
 
-def _check_folder(directory: Path) -> Path:
-    """The checkpoint's config.json path, once the folder exists and the file is a JSON object.
-
-    load_hf reads config.json as text and indexes it as a dict: checked here first, bytes that
-    are not UTF-8 or JSON that is not an object are named errors rather than tracebacks.
-    """
+def _check_folder(directory: Path) -> None:
+    """The folder exists and its config.json describes a model (cheap: no weights read)."""
     from rlmtrain.model import CheckpointError
+    from rlmtrain.model.hf import read_hf_args
 
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: checkpoint folder not found")
-    config_path = directory / "config.json"
-    try:
-        raw = json.loads(config_path.read_bytes().decode())
-    except FileNotFoundError:
-        raise CheckpointError(f"{config_path}: no config.json in the checkpoint folder") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{config_path}: unreadable or not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{config_path}: not a JSON object")
-    return config_path
+    read_hf_args(directory)
 
 
 def evaluate_checkpoint(config: Config, checkpoint: Path | None) -> dict[str, Any]:

@@ -19,12 +19,14 @@ running engine.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -188,37 +190,55 @@ def args_from_hf_config(config: dict[str, Any], source: str = "config.json") -> 
         raise CheckpointError(
             f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu)"
         )
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: rope_scaling is not an object")
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "llama3":
-        scaling = RopeScaling(**{f: rope[f] for f in RopeScaling.__struct_fields__})
-    elif rope_type == "default":
-        scaling = None
-    else:
+    if rope_type not in ("llama3", "default"):
         raise CheckpointError(
             f"{source}: rope type {rope_type!r} is not supported (only default, llama3)"
         )
     try:
         heads = config["num_attention_heads"]
-        return ModelArgs(
-            family=family,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rope_theta=float(theta),
-            rope_scaling=scaling,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
-            qk_norm=family == "qwen3",
-            max_position_embeddings=config.get("max_position_embeddings", 40960),
+        head_dim = config.get("head_dim")
+        if head_dim is None and isinstance(heads, int) and heads > 0:
+            head_dim = config["hidden_size"] // heads
+        # Converted, not just passed on: a string or a null where a size goes is named here
+        # rather than failing as a comparison deep in the model's construction.
+        args = msgspec.convert(
+            {
+                "family": family,
+                "vocab_size": config["vocab_size"],
+                "hidden_size": config["hidden_size"],
+                "intermediate_size": config["intermediate_size"],
+                "num_layers": config["num_hidden_layers"],
+                "num_heads": heads,
+                "num_kv_heads": config.get("num_key_value_heads") or heads,
+                "head_dim": head_dim,
+                "rope_theta": theta,
+                "rope_scaling": (
+                    {f: rope.get(f) for f in RopeScaling.__struct_fields__}
+                    if rope_type == "llama3"
+                    else None
+                ),
+                "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
+                "tie_word_embeddings": config.get("tie_word_embeddings", False),
+                "qk_norm": family == "qwen3",
+                "max_position_embeddings": config.get("max_position_embeddings", 40960),
+            },
+            ModelArgs,
         )
     except KeyError as exc:
         raise CheckpointError(f"{source}: missing key {exc.args[0]!r}") from None
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise CheckpointError(f"{source}: does not describe a model: {exc}") from None
+    for name in ("rope_theta", "rms_norm_eps"):
+        if not math.isfinite(getattr(args, name)) or getattr(args, name) <= 0:
+            raise CheckpointError(
+                f"{source}: {name} must be a positive number, got {getattr(args, name)}"
+            )
+    return args
 
 
 # -- load / save -------------------------------------------------------------------------------
@@ -228,11 +248,13 @@ def read_hf_args(directory: str | Path) -> ModelArgs:
     """The `ModelArgs` of the checkpoint in `directory` (its config.json)."""
     config_path = Path(directory) / "config.json"
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(config_path.read_bytes().decode())
     except FileNotFoundError:
         raise CheckpointError(f"{config_path}: no config.json in the checkpoint folder") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_path}: not valid JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{config_path}: unreadable or not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: not a JSON object")
     return args_from_hf_config(config, str(config_path))
 
 
@@ -254,6 +276,7 @@ def load_hf(
             activation_checkpointing=activation_checkpointing,
             compile_layers=compile_layers,
         )
+    _check_shapes(model, directory)
     model = model.to_empty(device="cpu").to(dtype)
     loaded: set[str] = set()
     tied_copies: list[tuple[Path, Tensor]] = []
@@ -270,6 +293,21 @@ def load_hf(
             f"{directory}: missing tensor {missing[0]!r} ({len(missing)} missing in all)"
         )
     return model
+
+
+def _check_shapes(model: Transformer, directory: Path) -> None:
+    """Every parameter the weight files hold has the shape config.json gives it. Checked on the
+    meta model, before any storage: a config.json describing a far larger model than its
+    weights (a vocab_size off by a few digits) would otherwise be allocated first."""
+    expected = {name: tuple(tensor.shape) for name, tensor in named_hf_tensors(model)}
+    for path in _weight_files(directory):
+        for name, entry in _safetensors_header(path).items():
+            shape = tuple(entry["shape"])
+            if name in expected and shape != expected[name]:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has shape {shape}, but {directory}/config.json "
+                    f"makes it {expected[name]}"
+                )
 
 
 class RowReader:
@@ -322,18 +360,28 @@ class RowReader:
 def _safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     """{name: {dtype, shape, start}} of a safetensors file, `start` its first data byte."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
+            if 8 + length > size:  # not read: the length of a damaged file may be anything
+                raise CheckpointError(
+                    f"{path}: unreadable safetensors file: its header would end past the file"
+                )
             header = json.loads(f.read(length))
-        size = path.stat().st_size
+    except CheckpointError:
+        raise
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable safetensors file: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not an object)")
     entries = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         try:
             begin, end = entry["data_offsets"]
+            if not all(isinstance(n, int) and n >= 0 for n in (begin, end, *entry["shape"])):
+                raise ValueError
             entries[name] = {
                 "dtype": entry["dtype"],
                 "shape": entry["shape"],

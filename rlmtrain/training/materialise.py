@@ -25,10 +25,16 @@ def sharded_policy(
 ) -> Transformer:
     """`cfg`'s model sharded over the world (`parallel.shard`), fp32 masters, each rank's shards
     loaded from `cfg.hf_dir` or initialised from `cfg.seed`."""
-    model = parallel.shard(model_skeleton(cfg), device, compute_dtype, replicate)
+    skeleton = model_skeleton(cfg)
+    reader = RowReader(cfg.hf_dir) if cfg.hf_dir else None
+    if reader is not None:
+        # On the meta skeleton, before any shard has storage: a config.json that describes a
+        # far larger model than its weights must not be allocated first.
+        _check_rows(skeleton, reader)
+    model = parallel.shard(skeleton, device, compute_dtype, replicate)
     with torch.no_grad():
-        if cfg.hf_dir:
-            _load_rows(model, RowReader(cfg.hf_dir))
+        if reader is not None:
+            _load_rows(model, reader)
         else:
             params = dict(model.named_parameters())
             for name, values in model.initial_values(cfg.seed):
@@ -53,10 +59,8 @@ def sharded_like(
     return parallel.shard(skeleton, device, compute_dtype, replicate)
 
 
-def _load_rows(model: Transformer, reader: RowReader) -> None:
-    """Each rank's rows of every parameter from the checkpoint. A tied head the checkpoint also
-    holds must equal the embedding; each rank compares its own rows and every rank learns the
-    verdict, so all of them raise together rather than some waiting in a collective."""
+def _check_rows(model: Transformer, reader: RowReader) -> None:
+    """The checkpoint holds every parameter of `model` in its shape, and nothing else."""
     source = str(reader.directory)
     expected = dict(named_hf_tensors(model))
     present = reader.names()
@@ -76,9 +80,18 @@ def _load_rows(model: Transformer, reader: RowReader) -> None:
                 f"{source}: tensor {hf_name!r} has shape {reader.shape(hf_name)}, "
                 f"the model expects {tuple(parameter.shape)}"
             )
+
+
+def _load_rows(model: Transformer, reader: RowReader) -> None:
+    """Each rank's rows of every parameter from the checkpoint (`_check_rows` passed). A tied
+    head the checkpoint also holds must equal the embedding; each rank compares its own rows
+    and every rank learns the verdict, so all of them raise together rather than some waiting
+    in a collective."""
+    expected = dict(named_hf_tensors(model))
+    for hf_name, parameter in expected.items():
         _local(parameter).copy_(reader.read_rows(hf_name, parallel.local_rows(parameter)))
     differs = False
-    if TIED_HEAD in present and TIED_HEAD not in expected:
+    if TIED_HEAD in reader.names() and TIED_HEAD not in expected:
         embedding = model.embed_tokens.weight
         # The shapes first: rows of a head of another shape may not exist on every rank.
         differs = reader.shape(TIED_HEAD) != tuple(embedding.shape) or not torch.equal(
@@ -86,7 +99,7 @@ def _load_rows(model: Transformer, reader: RowReader) -> None:
             _local(embedding).cpu(),
         )
     if any(parallel.all_gather(differs)):
-        raise tied_copy_differs(source)
+        raise tied_copy_differs(str(reader.directory))
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:
