@@ -11,6 +11,7 @@ dequantize): exit 2, one stderr line naming the file, nothing written.
 import copy
 import importlib.metadata
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -256,6 +257,19 @@ def _text_file(tmp: Path) -> Path:
     return path
 
 
+def _real_file_with(key: str, value: float):
+    """The package's GGUF file with one metadata value changed in place."""
+
+    def make(tmp: Path) -> Path:
+        path = tmp / f"{key}.gguf"
+        shutil.copyfile(_package_gguf(), path)
+        field = gguf.GGUFReader(path, "r+").fields[key]
+        field.parts[field.data[0]][0] = value
+        return path
+
+    return make
+
+
 # case -> (make the input in tmp, extra CLI args, what the message must say)
 REFUSALS = {
     "missing-file": (lambda tmp: tmp / "absent.gguf", (), "no such file"),
@@ -283,6 +297,27 @@ REFUSALS = {
         "cannot build its tokenizer",
     ),
     "dtype": (_text_file, ("--dtype", "fp8"), "invalid choice"),
+    # Values transformers or the model's shape cannot take (tracebacks before).
+    "kv-heads": (
+        _real_file_with("llama.attention.head_count_kv", 2),
+        (),
+        "not a multiple of num_kv_heads=2",
+    ),
+    "no-heads": (
+        _real_file_with("llama.attention.head_count", 0),
+        (),
+        "transformers cannot build its tokenizer (ZeroDivisionError",
+    ),
+    "eos-id": (
+        _real_file_with("tokenizer.ggml.eos_token_id", 1_000_000),
+        (),
+        "transformers cannot build its tokenizer (IndexError",
+    ),
+    "rms-eps": (
+        _real_file_with("llama.attention.layer_norm_rms_epsilon", float("nan")),
+        (),
+        "rms_norm_eps must be a positive number, got nan",
+    ),
 }
 
 

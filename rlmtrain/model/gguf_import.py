@@ -205,8 +205,10 @@ def _load_tokenizer(path: Path) -> Any:
     try:
         with _quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except (ValueError, KeyError, NotImplementedError) as exc:
-        raise ImportRefused(f"{path}: transformers cannot build its tokenizer ({exc})") from None
+    except Exception as exc:  # anything the file's values make transformers raise
+        raise ImportRefused(
+            f"{path}: transformers cannot build its tokenizer ({type(exc).__name__}: {exc})"
+        ) from None
     if not isinstance(tokenizer.chat_template, str):
         raise ImportRefused(f"{path}: the file has no chat template (tokenizer.chat_template)")
     return tokenizer
@@ -231,8 +233,10 @@ def _load_model(path: Path) -> tuple[Any, dict[str, Any]]:
             hf_model, info = AutoModelForCausalLM.from_pretrained(
                 path.parent, gguf_file=path.name, dtype=torch.float32, output_loading_info=True
             )
-    except (ValueError, KeyError, NotImplementedError) as exc:
-        raise ImportRefused(f"{path}: transformers cannot load its weights ({exc})") from None
+    except Exception as exc:  # a ZeroDivisionError, a config validation error, ...
+        raise ImportRefused(
+            f"{path}: transformers cannot load its weights ({type(exc).__name__}: {exc})"
+        ) from None
     if info["missing_keys"]:  # transformers would run with random weights in their place
         missing = sorted(info["missing_keys"])
         raise ImportRefused(
