@@ -175,7 +175,10 @@ def estimate(cfg: Config, args: ModelArgs, world_size: int, card_bytes: int) -> 
 
 def check_fits(cfg: Config, args: ModelArgs, world_size: int, device: torch.device) -> Estimate:
     """`estimate` on this rank's card; ConfigError in one line when it cannot fit. A CPU run
-    is estimated (and logged) but never refused: its memory is the machine's, not a card's."""
+    is refused only past all of its host's memory, RAM and swap, over the ranks it runs there:
+    the estimate leaves out the interpreter's own gigabyte or two, so it fits a host by less
+    than it seems, but what exceeds the whole host cannot run at all (a KV cache of a trillion
+    tokens would otherwise fail at its allocation, after the data and the model)."""
     card = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     guess = estimate(cfg, args, world_size, card)
     if card and guess.peak > (1 - _CARD_RESERVE) * card:
@@ -185,7 +188,25 @@ def check_fits(cfg: Config, args: ModelArgs, world_size: int, device: torch.devi
             "or rollout.colocate, set train.optimizer_offload, or lower "
             "rollout.gpu_memory_utilization"
         )
+    host, ranks_here = host_memory(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if not card and host and guess.peak * ranks_here > host:
+        raise ConfigError(
+            f"memory: this run needs {guess.describe()}, {ranks_here} rank(s) on a host of "
+            f"{host / GIB:.0f} GiB (RAM and swap); lower rollout.kv_cache_tokens or "
+            "algo.micro_batch_tokens, or set model.activation_checkpointing"
+        )
     return guess
+
+
+def host_memory() -> int:
+    """This machine's RAM and swap in bytes; 0 where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        kib = int(fields["MemTotal"].split()[0]) + int(fields.get("SwapTotal", "0 kB").split()[0])
+    except (OSError, KeyError, ValueError):
+        return 0
+    return kib * 1024
 
 
 def _block_parameters(args: ModelArgs) -> int:

@@ -85,6 +85,14 @@ def test_a_model_hf_dir_that_describes_no_model_is_one_line(tmp_path, capsys, co
     assert "Traceback" not in "\n".join(err)
 
 
+def test_a_kv_cache_larger_than_the_machine_is_refused_in_one_line(tmp_path, capsys):
+    """Named before its allocation (a RuntimeError from the allocator before)."""
+    argv = ["eval", "--config", DEFAULT, f"--checkpoint.dir={tmp_path}", "--eval.tasks=1"]
+    assert main([*argv, "--rollout.kv_cache_tokens=1000000000000"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("rlmtrain eval: error: rollout.kv_cache_tokens: 1000000000000 tokens")
+
+
 def test_only_the_front_door_reports_user_errors():
     """No command catches bad input and prints it itself: one handler, one format."""
     for path in sorted((ROOT / "rlmtrain").rglob("*.py")):

@@ -490,3 +490,9 @@ def test_a_run_checks_its_judge_is_served_before_leaning_on_it(server):
     server.__exit__()
     with pytest.raises(ConfigError, match=r"judge\.base_url: nothing answers at .*Serving a judge"):
         check_served(config, timeout_s=2.0)
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://host:port/v1"])
+def test_a_judge_url_that_is_no_url_is_named(url):
+    with pytest.raises(ConfigError, match=r"judge\.base_url: '.*' is not a URL"):
+        check_served(JudgeConfig(base_url=url, model="m"), timeout_s=2.0)

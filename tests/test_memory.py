@@ -8,6 +8,8 @@ launched run); on a GPU, `bench/gpu/memory_budget.py` measures what the estimate
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import pytest
 import torch
@@ -114,8 +116,23 @@ def test_a_run_that_cannot_fit_its_card_is_refused_in_one_line(monkeypatch):
     assert "model states 122.1" in message and "on a 75 GiB card" in message
     assert "\n" not in message
     memory.check_fits(cfg, preset("qwen3-8b"), 8, torch.device("cuda", 0))  # 8 ranks fit
-    # A CPU run is estimated, never refused.
-    memory.check_fits(cfg, preset("qwen3-8b"), 1, torch.device("cpu"))
+
+
+def test_a_cpu_run_is_refused_only_past_all_of_its_hosts_memory(monkeypatch):
+    cfg = _config(model={"preset": "qwen3-8b", "dtype": "bfloat16"})
+    cpu = torch.device("cpu")
+    needs = memory.estimate(cfg, preset("qwen3-8b"), 1, 0).peak
+    monkeypatch.setattr(memory, "host_memory", lambda: int(needs * 1.5))
+    memory.check_fits(cfg, preset("qwen3-8b"), 1, cpu)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks of it on the host: past it
+    with pytest.raises(ConfigError, match=r"^memory: this run needs ~.*, 2 rank\(s\) on a host"):
+        memory.check_fits(cfg, preset("qwen3-8b"), 1, cpu)
+    monkeypatch.setattr(memory, "host_memory", lambda: 0)  # a kernel that does not say
+    memory.check_fits(cfg, preset("qwen3-8b"), 1, cpu)
+
+
+def test_the_hosts_memory_is_read():
+    assert memory.host_memory() >= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def test_a_step_row_carries_every_ranks_figures_and_their_maximum():

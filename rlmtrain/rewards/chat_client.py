@@ -388,6 +388,8 @@ def check_served(config: JudgeConfig, timeout_s: float = 10.0) -> None:
         raise ConfigError(str(exc)) from None
     try:
         response = httpx.get(url, headers=headers, timeout=timeout_s, trust_env=True)
+    except httpx.InvalidURL as exc:
+        raise ConfigError(f"judge.base_url: {config.base_url!r} is not a URL ({exc})") from None
     except httpx.HTTPError as exc:
         raise ConfigError(
             f"judge.base_url: nothing answers at {config.base_url} ({type(exc).__name__}: {exc}); "

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlmtrain.config import Config
+    from rlmtrain.model import ModelArgs
     from rlmtrain.model.tokenizer import Tokenizer
     from rlmtrain.rollout.engine import Engine
 
@@ -54,6 +55,7 @@ def build_engine(
         from rlmtrain.rollout.engines.native import NativeEngine
 
         device = device or resolve_device(config.train.device)
+        _check_kv_cache(config, model_skeleton(config.model).args, device)
         options = {
             "max_batch_size": rollout.max_batch_size,
             "kv_cache_tokens": rollout.kv_cache_tokens,
@@ -116,3 +118,26 @@ def build_engine(
             decode=tokenizer.decode,
         )
     raise ValueError(f"rollout.engine: unknown engine {rollout.engine!r}")
+
+
+def _check_kv_cache(config: Config, args: ModelArgs, device: torch.device) -> None:
+    """The native engine's KV cache fits the memory its device has at all (refused in one line
+    rather than failing at its allocation, after a run's data and model); whether it fits
+    beside the rest is `memory.check_fits`'s estimate."""
+    import torch
+
+    from rlmtrain.config import ConfigError
+    from rlmtrain.memory import GIB, host_memory
+
+    tokens = config.rollout.kv_cache_tokens
+    itemsize = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    needs = tokens * args.num_layers * 2 * args.num_kv_heads * args.head_dim * itemsize
+    if device.type == "cuda":
+        has = torch.cuda.get_device_properties(device).total_memory
+    else:
+        has = host_memory()
+    if has and needs > has:
+        raise ConfigError(
+            f"rollout.kv_cache_tokens: {tokens} tokens of KV cache take {needs / GIB:.1f} GiB, "
+            f"more than the {has / GIB:.0f} GiB of this {device.type} device"
+        )
