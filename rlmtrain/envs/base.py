@@ -18,6 +18,7 @@ stays cheap and an environment's heavy dependencies load only when it is chosen.
 from __future__ import annotations
 
 import importlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
@@ -160,6 +161,11 @@ class Env:
             raise ConfigError(f"data.{key}: {exc}") from None
         if not tasks:
             raise ConfigError(f"data.{key}: no {split} tasks in {path}")
+        # A task's id names its trees (and seeds their sampling): two tasks of one id would
+        # share them.
+        twice = next((id_ for id_, n in Counter(t.id for t in tasks).items() if n > 1), None)
+        if twice is not None:
+            raise ConfigError(f"data.{key}: task id {twice!r} appears more than once in {path}")
         return tasks
 
     def _synthesized(self, config: Config, split: Split) -> Path:
@@ -231,6 +237,11 @@ def read_tasks(path: str | Path, task_type: type[T]) -> Iterator[T]:
     Raises FileNotFoundError for a missing file and TaskFormatError ("file:line: field `$.x`:
     reason") for a line that is not JSON or does not match the Struct.
     """
+    for _, task in _numbered_tasks(path, task_type):
+        yield task
+
+
+def _numbered_tasks(path: str | Path, task_type: type[T]) -> Iterator[tuple[int, T]]:
     decoder = msgspec.json.Decoder(task_type)
     path = Path(path)
     if not path.is_file():
@@ -240,22 +251,31 @@ def read_tasks(path: str | Path, task_type: type[T]) -> Iterator[T]:
             if not line.strip():
                 continue
             try:
-                yield decoder.decode(line)
+                yield lineno, decoder.decode(line)
             except msgspec.ValidationError as exc:
                 raise TaskFormatError(f"{path}:{lineno}: {_name_field(str(exc))}") from None
             except msgspec.DecodeError as exc:
                 raise TaskFormatError(f"{path}:{lineno}: not valid JSON: {exc}") from None
 
 
-def read_tasks_beside(path: str | Path, task_type: type[T], path_field: str) -> list[T]:
-    """All tasks of a JSONL file, each task's `path_field` (a file or folder it names) taken
-    relative to the task file's folder unless absolute, so a data set can move as one folder."""
+def read_tasks_beside(
+    path: str | Path, task_type: type[T], path_field: str, *, folder: bool
+) -> list[T]:
+    """All tasks of a JSONL file, each task's `path_field` (a folder if `folder`, else a file)
+    taken relative to the task file's folder unless absolute, so a data set can move as one
+    folder; one that is not there is a TaskFormatError naming the line, before any work."""
     base = Path(path).parent
     tasks = []
-    for task in read_tasks(path, task_type):
+    for lineno, task in _numbered_tasks(path, task_type):
         named = getattr(task, path_field)
         if not Path(named).is_absolute():
             task = msgspec.structs.replace(task, **{path_field: str(base / named)})
+        where = Path(getattr(task, path_field))
+        if not (where.is_dir() if folder else where.is_file()):
+            raise TaskFormatError(
+                f"{path}:{lineno}: field `{path_field}`: no {'folder' if folder else 'file'} "
+                f"{where}"
+            )
         tasks.append(task)
     return tasks
 

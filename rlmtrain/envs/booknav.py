@@ -129,7 +129,10 @@ class BookNavEnv(Env):
         return teacher(rollout)
 
     def load_tasks(self, path: str | Path) -> list[BookTask]:
-        return read_tasks_beside(path, BookTask, "book")
+        tasks = read_tasks_beside(path, BookTask, "book", folder=False)
+        for task in tasks:  # read (and kept) now: a book that cannot be is named up front
+            self.context(task)
+        return tasks
 
     def synthesize(self, out_dir: Path, *, groups: int, first_group: int, config: Config) -> Path:
         """The synthetic textbook and one problem per group (`synthetic_problems`)."""
@@ -144,7 +147,10 @@ class BookNavEnv(Env):
         for task in books.values():
             texts += [section["text"] for section in self.context(task)["sections"]]
         for task in tasks:
-            texts += plan(task.query)
+            try:
+                texts += plan(task.query)
+            except ValueError:
+                continue  # a problem of the user's own the teacher has no plan for: no code
         return texts
 
     async def reward(self, task: BookTask, group: RolloutGroup) -> RewardResult:

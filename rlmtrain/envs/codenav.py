@@ -81,7 +81,11 @@ def package_files(directory: str | Path) -> list[tuple[str, str]]:
     for file in sorted(root.rglob("*.py")):
         if "__pycache__" in file.parts:
             continue
-        files.append((file.relative_to(root.parent).as_posix(), file.read_text(encoding="utf-8")))
+        try:
+            source = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        files.append((file.relative_to(root.parent).as_posix(), source))
     if not files:
         raise ValueError(f"code base directory has no .py files: {root}")
     return files
@@ -180,7 +184,10 @@ class CodeNavEnv(Env):
         return teacher(rollout, self.flawed_share)
 
     def load_tasks(self, path: str | Path) -> list[CodeTask]:
-        return read_tasks_beside(path, CodeTask, "codebase")
+        tasks = read_tasks_beside(path, CodeTask, "codebase", folder=True)
+        for task in tasks:  # read (and kept) now: a code base that cannot be is named up front
+            self.context(task)
+        return tasks
 
     def synthesize(self, out_dir: Path, *, groups: int, first_group: int, config: Config) -> Path:
         """One synthetic package per group (`codenav_synth`) under `out_dir/code`, and
@@ -211,7 +218,10 @@ class CodeNavEnv(Env):
         texts = super().vocabulary_texts(tasks)
         texts += list(dict.fromkeys(self.context(task) for task in tasks))
         for task in tasks:
-            texts += plan(task.query, self.flawed_share)
+            try:
+                texts += plan(task.query, self.flawed_share)
+            except ValueError:
+                continue  # a question of the user's own the teacher has no plan for: no code
         return texts
 
     async def reward(self, task: CodeTask, group: RolloutGroup) -> RewardResult:

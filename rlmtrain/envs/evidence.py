@@ -145,8 +145,11 @@ class EvidenceEnv(Env):
         # fence lines are a token or two rather than ten.
         share = self.flawed_share
         for task in tasks:
-            plans = compact_root_plan(task.query, len(task.paper_ids), share)
-            plans += compact_child_plan(task.query, share)
+            try:
+                plans = compact_root_plan(task.query, len(task.paper_ids), share)
+                plans += compact_child_plan(task.query, share)
+            except ValueError:
+                continue  # a query of the user's own the teacher has no plan for: no code
             replies = [fenced_code(code) for code in plans]
             texts += replies * CODE_WEIGHT
         return texts
