@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from rlmtrain import parallel
 from rlmtrain.model.hf import CheckpointError
@@ -220,6 +221,7 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
         )
     else:
         load_frozen(path, "model", model)
+    _check_finite(path, model, optimizer)
     try:
         rng: dict[str, Any] = pickle.loads((path / f"rng-{dist.get_rank()}.pkl").read_bytes())
     except (OSError, pickle.UnpicklingError, EOFError) as exc:
@@ -230,6 +232,36 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return state
+
+
+def _check_finite(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse loaded states that hold a NaN or an infinity: a checkpoint damaged in place (its
+    sizes, all the manifest records, unchanged) would otherwise train on, or be exported, with
+    them. Each rank looks at its own shards; every rank learns the verdict and all raise."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    found = None
+    for name, parameter in model.named_parameters():
+        if not torch.isfinite(_local(parameter.detach())).all():
+            found = f"parameter {name}"
+            break
+    for parameter, moments in optimizer.state.items():
+        if found is not None:
+            break
+        for key, value in moments.items():
+            if torch.is_tensor(value) and not torch.isfinite(_local(value)).all():
+                found = f"the optimizer's {key} of {names.get(id(parameter), '?')}"
+                break
+    verdicts = parallel.all_gather(found)
+    bad = next(((rank, what) for rank, what in enumerate(verdicts) if what), None)
+    if bad is not None:
+        raise CheckpointError(
+            f"{path}: damaged checkpoint: {bad[1]} holds NaN or infinite values (rank {bad[0]}'s "
+            "shard); remove it to resume from an older one"
+        )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def load_frozen(path: Path, name: str, module: torch.nn.Module) -> None:

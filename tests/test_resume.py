@@ -268,6 +268,24 @@ def test_a_resume_under_another_data_seed_is_refused_and_touches_nothing(
     assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+def test_a_checkpoint_overwritten_in_place_with_nans_is_refused(tmp_path, two_tasks, one_step_run):
+    """Every size as the manifest says: read, its NaNs are found before a step or an export
+    uses them (a resume trained on and exported them)."""
+    run = _one_checkpoint(tmp_path, one_step_run)
+    checkpoint = run / "checkpoints" / "sft-000001"
+    victim = max((p for p in (checkpoint / "state").iterdir()), key=lambda p: p.stat().st_size)
+    with victim.open("r+b") as f:
+        f.seek(victim.stat().st_size // 3)
+        f.write(b"\xff" * 65536)
+    exported = (run / "final" / "model.safetensors").read_bytes()
+    result = _train(run, two_tasks, "--checkpoint.resume=true")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert f"{checkpoint}: damaged checkpoint: " in line, line
+    assert "holds NaN or infinite values" in line, line
+    assert (run / "final" / "model.safetensors").read_bytes() == exported
+
+
 def test_a_resume_into_another_model_shape_is_refused_in_one_line(
     tmp_path, two_tasks, one_step_run
 ):
