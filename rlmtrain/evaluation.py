@@ -45,9 +45,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlmtrain.errors import UserError
 from rlmtrain.rewards.step_rubric import STEP_CRITERIA, heuristic_step_scores
 from rlmtrain.rlm.code_calls import SUBQUERY_BUILTINS
-from rlmtrain.rlm.records import RolloutGroup, Trajectory
+from rlmtrain.rlm.records import RolloutGroup, Trajectory, failed_everywhere
 
 if TYPE_CHECKING:
     from rlmtrain.config import Config
@@ -292,6 +293,9 @@ async def evaluate(
     finally:
         if owned:
             await engine.close()
+    failure = failed_everywhere(groups) if owned else None
+    if failure:  # an evaluation of its own, whose report would read as a policy scoring 0
+        raise UserError(f"no tree could run: {failure}")
     return await report(
         cfg, env, tasks, groups, seconds=time.perf_counter() - began, per_task=cfg.eval.samples
     )

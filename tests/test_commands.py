@@ -185,3 +185,65 @@ def test_an_old_launch_line_fails_instead_of_doing_nothing(module):
     )
     assert result.returncode != 0
     assert "is not a script" in result.stderr and "-m rlmtrain" in result.stderr
+
+
+def test_a_killed_rollout_keeps_the_groups_it_finished(tmp_path):
+    """SIGKILLed midway (no handler runs): every group that ended is in --out, whole."""
+    import signal
+    import time
+
+    from rlmtrain.config import load_config
+    from rlmtrain.rlm.records import read_groups
+
+    out = tmp_path / "trees.jsonl"
+    command = [sys.executable, "-m", "rlmtrain", "rollout", "--config", DEFAULT, "--out", str(out)]
+    command += [f"--checkpoint.dir={tmp_path / 'run'}", "--logging.progress=false"]
+    job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + RUN_HANG_S
+        while not out.exists() or out.read_bytes().count(b"\n") < 2:
+            assert job.poll() is None, "no group kept before the rollout ended"
+            assert time.monotonic() < deadline, "no group written"
+            time.sleep(0.05)
+        assert job.poll() is None, "the rollout ended before its groups were seen"
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        job.stderr.close()
+    kept = out.read_bytes()
+    whole = tmp_path / "whole.jsonl"
+    whole.write_bytes(kept[: kept.rfind(b"\n") + 1])  # a line cut by the kill, if any
+    groups = list(read_groups(whole))
+    tasks = (tmp_path / "run" / "data" / "rl" / "tasks.jsonl").read_text().count("\n")
+    assert 2 <= len(groups) < tasks  # kept as they ended, not written at the end
+    dealt = load_config(DEFAULT).rollout.n_samples
+    for group in groups:  # each group whole: every root it was dealt, every tree ended
+        assert len(group.roots) == dealt, group.task
+        assert all(root.finish_reason != "aborted" for root in group.roots)
+
+
+@pytest.mark.parametrize("command", ["rollout", "eval"])
+def test_a_rollout_no_tree_of_which_could_run_says_why(tmp_path, capsys, monkeypatch, command):
+    """Every tree failed in the scheduler (here no REPL could start: the machine is out of
+    processes): exit 2 naming the cause, not a report of a policy that scored 0."""
+    from rlmtrain.rlm import repl
+
+    async def no_processes_left(cls, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(repl.Zygote, "start", classmethod(no_processes_left))
+    argv = [command, "--config", DEFAULT, f"--checkpoint.dir={tmp_path}", *SMALL]
+    argv += ["--logging.progress=false"]
+    if command == "rollout":
+        argv += ["--out", str(tmp_path / "trees.jsonl")]
+    else:
+        argv += ["--eval.tasks=2"]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"rlmtrain {command}: error: no tree could run"), last
+    assert "BlockingIOError: [Errno 11] Resource temporarily unavailable" in last, last
+    if command == "rollout":
+        assert len((tmp_path / "trees.jsonl").read_text().splitlines()) == 2  # kept, written

@@ -7,7 +7,10 @@ the configured engine, G = `rollout.n_samples` trees per task, with a progress b
 its preset from `model.seed`) with the run's tokenizer (for 'bpe', the one train made, or made
 here as train makes it). The groups go to `--out` as msgspec JSONL (`records.write_groups`)
 before they are scored, so a failing reward never loses a rollout; the summary on stdout has the
-rollout metrics and the mean root reward.
+rollout metrics and the mean root reward. Each group is appended to `--out` as its last tree
+ends, so a rollout killed midway keeps the groups it finished; at the end the file is rewritten
+in task order. A rollout none of whose trees could run (every root failed in the scheduler:
+a chat template that cannot render, ...) is an error naming the first cause, after the write.
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 async def _rollout(config: Any, tasks: list[Any], env: Any, out: Path) -> str:
+    import msgspec
+
     from rlmtrain.model.tokenizer import with_chat_template_kwargs
-    from rlmtrain.rlm.records import write_groups
+    from rlmtrain.rlm.records import failed_everywhere, write_groups
     from rlmtrain.rollout.engines import build_engine
     from rlmtrain.rollout.progress import RolloutProgress
     from rlmtrain.rollout.scheduler import Scheduler
@@ -59,12 +64,22 @@ async def _rollout(config: Any, tasks: list[Any], env: Any, out: Path) -> str:
     scheduler = Scheduler(engine, tokenizer, config.rollout)
     progress = RolloutProgress(len(tasks) * config.rollout.n_samples, engine)
     scheduler.on_tree_done = progress.tree_done
-    try:
-        groups = await scheduler.rollout(tasks, env, config.rollout.n_samples)
-    finally:
-        progress.close()
-        await engine.close()
+    encoder = msgspec.json.Encoder()
+    with open(out, "wb", buffering=0) as kept:
+
+        def keep(group: Any) -> None:
+            kept.write(encoder.encode(group) + b"\n")
+
+        scheduler.on_group_done = keep
+        try:
+            groups = await scheduler.rollout(tasks, env, config.rollout.n_samples)
+        finally:
+            progress.close()
+            await engine.close()
     written = write_groups(out, groups)
+    failure = failed_everywhere(groups)
+    if failure:
+        raise UserError(f"no tree could run ({written} groups written to {out}): {failure}")
     scores = await env.root_scores(tasks, groups)
     reward = mean_or_nan(s for values in scores for s in values if s is not None)
     return (

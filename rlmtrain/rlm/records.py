@@ -9,6 +9,7 @@ holds the G roots of one task and all their descendants, linked by `parent_id` /
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -80,6 +81,10 @@ class Trajectory(msgspec.Struct, kw_only=True):
     """Ids of the child trajectories, in the order they were spawned."""
     answer: str | None = None
     finish_reason: FinishReason = "aborted"
+    failure: str = ""
+    """Why the scheduler could not run it (no REPL for its task, a prompt the chat template
+    could not render, an engine error), with finish_reason "error"; "" when it ran, whatever
+    its code did."""
 
     @property
     def is_root(self) -> bool:
@@ -134,14 +139,27 @@ _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(RolloutGroup)
 
 
+def failed_everywhere(groups: Iterable[RolloutGroup]) -> str | None:
+    """The first root's failure when every root of `groups` (at least one) failed in the
+    scheduler (`Trajectory.failure`): a cause of the input's or the machine's, not of what the
+    policy wrote; None otherwise."""
+    roots = [root for group in groups for root in group.roots]
+    if roots and all(root.failure for root in roots):
+        return roots[0].failure
+    return None
+
+
 def write_groups(path: str | Path, groups: Iterable[RolloutGroup]) -> int:
-    """Write groups as JSON lines; returns how many were written."""
+    """Write groups as JSON lines; returns how many were written. Written beside `path` and
+    renamed into place: what `path` held stays whole until the new file is."""
     n = 0
-    with open(path, "wb") as f:
+    partial = f"{path}.partial"
+    with open(partial, "wb") as f:
         for group in groups:
             f.write(_encoder.encode(group))
             f.write(b"\n")
             n += 1
+    os.replace(partial, path)
     return n
 
 

@@ -112,6 +112,9 @@ class _TaskRun:
     zygote: ReplHost | None = None
     zygote_ready: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     trees_left: int = 0
+    dealt: bool = True
+    """Its roots were all known at the start (not claimed one by one): its group is whole once
+    no tree is left."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -206,6 +209,9 @@ class Scheduler:
         """The last rollout's metrics."""
         self.on_tree_done: Callable[[Trajectory], None] | None = None
         """Called with each root as its tree ends (progress display)."""
+        self.on_group_done: Callable[[RolloutGroup], None] | None = None
+        """Called with each task's group as its last tree ends, where the roots were dealt at
+        the start (not claimed): what a caller keeps as it goes, so a killed rollout has them."""
         self._requests = PriorityGate(config.max_inflight_requests, "max_inflight_requests")
         self._workers = PriorityGate(config.max_live_workers, "max_live_workers")
         self._live_trees = PriorityGate(config.max_live_trees, "max_live_trees")
@@ -265,6 +271,7 @@ class Scheduler:
                 group=RolloutGroup(task=task, trajectories=[]),
                 sampling=sampling or self.sampling,
                 trees_left=len(mine),
+                dealt=claim is None,
             )
             for task, mine in zip(tasks, indices, strict=True)
         ]
@@ -377,6 +384,8 @@ class Scheduler:
                 await self._close_zygote(run)
             if self.on_tree_done is not None:
                 self.on_tree_done(root)
+            if run.trees_left == 0 and run.dealt and self.on_group_done is not None:
+                self.on_group_done(run.group)
 
     def _start(self, tree: _Tree, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coroutine)
@@ -508,8 +517,13 @@ class Scheduler:
             previous, previous_t = now, t
 
 
+_FAILURE_CHARS = 500
+"""What a record keeps of a failure's message: the cause, not a whole dump."""
+
+
 def _failed(trajectory: Trajectory, exc: BaseException) -> None:
     """A trajectory the scheduler could not run (no REPL worker, engine error): "error"; its
     parent's rlm_query gets `child_answer`'s explanation."""
     log.warning("trajectory %s failed: %s: %s", trajectory.id, type(exc).__name__, exc)
     trajectory.finish_reason = "error"
+    trajectory.failure = f"{type(exc).__name__}: {exc}"[:_FAILURE_CHARS]
