@@ -83,6 +83,7 @@ def test_show_output_round_trips(run_file):
         ("", ["--algo.kl_beta=inf"], "key 'algo.kl_beta': must be finite"),
         ("", ["--train.adam_betas=[0.9, inf]"], r"key 'train.adam_betas\[1\]': must be finite"),
         ("", ["--eval.samples=100000000000000000000"], "key 'eval.samples': must fit in 64 bits"),
+        ("", ["--checkpoint.dir="], "key 'checkpoint.dir': Expected `str` of length >= 1"),
     ],
 )
 def test_bad_input_names_the_key(run_file, text, overrides, named):

@@ -230,3 +230,15 @@ def test_a_corpus_write_that_fails_leaves_the_corpus_there_as_it_was(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "in"]
     assert write_corpus(out, [paper]) == 1
     assert list(read_corpus(out)) == ["good"]
+
+
+def test_a_symbolic_link_to_nothing_is_listed_as_skipped(tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    _pdf(folder / "good.pdf", BODY)
+    (folder / "moved.pdf").symlink_to(tmp_path / "elsewhere.pdf")
+    out = tmp_path / "c.jsonl"
+    assert main(["data", "ingest", str(folder), "--out", str(out), "--no-progress"]) == 0
+    report = capsys.readouterr().out
+    assert "ingested 1 of 2 files" in report, report
+    assert f"{folder / 'moved.pdf'}: a symbolic link to nothing" in report, report

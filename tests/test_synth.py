@@ -129,3 +129,13 @@ def test_cli(tmp_path, capsys):
     assert main(["data", "synth", "--out", str(a_file), "--groups", "1", "--no-progress"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("rlmtrain data synth: error: --out") and str(a_file) in line, line
+
+
+def test_a_smaller_synthesis_into_the_same_folder_leaves_none_of_the_earlier_pdfs(tmp_path):
+    """They would join a later `data ingest` of the folder; a file of the user's stays."""
+    synthesize(tmp_path, groups=3, seed=5, workers=1)
+    (tmp_path / "pdfs" / "notes.pdf").write_bytes(b"the user's")
+    synthesize(tmp_path, groups=1, seed=5, workers=1)
+    corpus = read_corpus(tmp_path / "corpus.jsonl")
+    names = {path.name for path in (tmp_path / "pdfs").iterdir()}
+    assert names == {f"{paper_id}.pdf" for paper_id in corpus} | {"notes.pdf"}

@@ -387,7 +387,9 @@ class ParallelConfig(Section):
 
 
 class CheckpointConfig(Section):
-    dir: Annotated[str, _doc("run folder for checkpoints, logs and data")] = "runs/tiny"
+    dir: Annotated[str, _doc("run folder for checkpoints, logs and data", min_length=1)] = (
+        "runs/tiny"
+    )
     every: Annotated[
         int,
         _doc(

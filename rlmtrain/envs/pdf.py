@@ -355,11 +355,14 @@ def ingest_dir(
     pdf_dir = Path(pdf_dir)
     if not pdf_dir.is_dir():
         raise IngestError(f"PDF folder not found: {pdf_dir}")
-    paths = sorted(
+    found = sorted(
         p
         for p in pdf_dir.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(pdf_dir).parts)
+        if not any(part.startswith(".") for part in p.relative_to(pdf_dir).parts)
     )
+    paths = [p for p in found if p.is_file()]
+    # A link to nothing is listed, not passed over: it stands for a paper the user meant.
+    dangling = [p for p in found if p.is_symlink() and not p.exists()]
     # A paper's id and source are its file's name, and a corpus is UTF-8 JSON: a name that is
     # not UTF-8 (bytes the file system keeps as they are) is reported, printably, not parsed.
     unnamed = [p for p in paths if not _utf8(str(p))]
@@ -372,6 +375,7 @@ def ingest_dir(
         )
         for p in unnamed
     ]
+    skipped += [SkippedFile(path=str(p), reason="a symbolic link to nothing") for p in dangling]
     duplicate = [id_ for id_, n in Counter(p.id for p in papers).items() if n > 1]
     if duplicate:
         raise IngestError(f"{pdf_dir}: several files share the paper id(s) {', '.join(duplicate)}")

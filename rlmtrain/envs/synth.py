@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -130,6 +131,10 @@ class SynthSummary(msgspec.Struct, kw_only=True):
     seconds: float
 
 
+_OWN_PDF = re.compile(r"g\d+-p\d+\.pdf")
+"""The names of the PDFs this module writes (group, paper)."""
+
+
 def synthesize(
     out_dir: str | Path,
     *,
@@ -174,6 +179,12 @@ def synthesize(
                     bar.update()
     papers = [p for r in results for p in r.papers]
     tasks = [t for r in results for t in r.tasks]
+    # A synthesis of other groups into this folder before left its PDFs; they would join any
+    # `data ingest` of it. Only this module's own names go: a file of the user's stays.
+    written = {Path(paper.source).name for paper in papers}
+    for stale in pdf_dir.glob("g*-p*.pdf"):
+        if _OWN_PDF.fullmatch(stale.name) and stale.name not in written:
+            stale.unlink()
     write_corpus(out_dir / "corpus.jsonl", papers)
     write_tasks(out_dir / "tasks.jsonl", tasks)
     return SynthSummary(
