@@ -1,4 +1,4 @@
-"""The one place that probes optional GPU-side dependencies.
+"""The one place that probes optional GPU-side dependencies, and what the host has.
 
 Everything that may be missing on a CPU machine (CUDA, flash-attn, vLLM, Liger) is looked up
 here once. Callers branch on these flags; an explicit request for a missing backend raises
@@ -19,6 +19,7 @@ __all__ = [
     "HAS_FLASH_ATTN",
     "HAS_VLLM",
     "BackendUnavailable",
+    "host_memory",
     "log_fallback_once",
     "resolve_device",
 ]
@@ -52,3 +53,14 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not HAS_CUDA:
         raise BackendUnavailable(f"train.device={name!r} but CUDA is not available")
     return torch.device(name)
+
+
+def host_memory() -> int:
+    """This machine's RAM and swap in bytes; 0 where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        kib = int(fields["MemTotal"].split()[0]) + int(fields.get("SwapTotal", "0 kB").split()[0])
+    except (OSError, KeyError, ValueError):
+        return 0
+    return kib * 1024

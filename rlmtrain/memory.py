@@ -30,6 +30,7 @@ import torch
 
 from rlmtrain import parallel
 from rlmtrain.config import Config, ConfigError
+from rlmtrain.devices import host_memory
 from rlmtrain.model import ModelArgs
 
 GIB = 2**30
@@ -196,17 +197,6 @@ def check_fits(cfg: Config, args: ModelArgs, world_size: int, device: torch.devi
             "algo.micro_batch_tokens, or set model.activation_checkpointing"
         )
     return guess
-
-
-def host_memory() -> int:
-    """This machine's RAM and swap in bytes; 0 where the kernel does not say."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        kib = int(fields["MemTotal"].split()[0]) + int(fields.get("SwapTotal", "0 kB").split()[0])
-    except (OSError, KeyError, ValueError):
-        return 0
-    return kib * 1024
 
 
 def _block_parameters(args: ModelArgs) -> int:

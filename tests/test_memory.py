@@ -16,6 +16,7 @@ import torch
 
 from rlmtrain import memory, parallel
 from rlmtrain.config import Config, ConfigError, load_config
+from rlmtrain.devices import host_memory
 from rlmtrain.model import PRESETS, preset
 from rlmtrain.model.transformer import Transformer
 
@@ -132,7 +133,7 @@ def test_a_cpu_run_is_refused_only_past_all_of_its_hosts_memory(monkeypatch):
 
 
 def test_the_hosts_memory_is_read():
-    assert memory.host_memory() >= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert host_memory() >= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def test_a_step_row_carries_every_ranks_figures_and_their_maximum():

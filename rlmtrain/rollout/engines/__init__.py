@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from rlmtrain.devices import HAS_VLLM, BackendUnavailable, resolve_device
+from rlmtrain.devices import HAS_VLLM, BackendUnavailable, host_memory, resolve_device
 
 if TYPE_CHECKING:
     import torch
@@ -127,7 +127,6 @@ def _check_kv_cache(config: Config, args: ModelArgs, device: torch.device) -> No
     import torch
 
     from rlmtrain.config import ConfigError
-    from rlmtrain.memory import GIB, host_memory
 
     tokens = config.rollout.kv_cache_tokens
     itemsize = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
@@ -138,6 +137,6 @@ def _check_kv_cache(config: Config, args: ModelArgs, device: torch.device) -> No
         has = host_memory()
     if has and needs > has:
         raise ConfigError(
-            f"rollout.kv_cache_tokens: {tokens} tokens of KV cache take {needs / GIB:.1f} GiB, "
-            f"more than the {has / GIB:.0f} GiB of this {device.type} device"
+            f"rollout.kv_cache_tokens: {tokens} tokens of KV cache take {needs / 2**30:.1f} "
+            f"GiB, more than the {has / 2**30:.0f} GiB of this {device.type} device"
         )
