@@ -27,6 +27,7 @@ import msgspec
 
 from rlmtrain.config import ConfigError
 from rlmtrain.errors import UserError
+from rlmtrain.rlm.records import write_jsonl
 from rlmtrain.run_folder import RunFolder
 
 if TYPE_CHECKING:
@@ -289,13 +290,9 @@ def _name_field(message: str) -> str:
 
 
 def write_tasks(path: str | Path, tasks: list[msgspec.Struct]) -> int:
-    """Write tasks as JSON lines; returns how many were written."""
-    encoder = msgspec.json.Encoder()
-    with open(path, "wb") as f:
-        for task in tasks:
-            f.write(encoder.encode(task))
-            f.write(b"\n")
-    return len(tasks)
+    """Write tasks as JSON lines (`write_jsonl`: written whole or not at all); returns how
+    many were written."""
+    return write_jsonl(path, tasks)
 
 
 # ---------------------------------------------------------------------------------------------

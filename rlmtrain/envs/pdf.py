@@ -31,7 +31,6 @@ pool (pdfium is not thread-safe, and parsing is CPU-bound).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 import msgspec
 
 from rlmtrain.errors import UserError
+from rlmtrain.rlm.records import write_jsonl
 
 __all__ = [
     "IngestSummary",
@@ -392,23 +392,9 @@ def _utf8(text: str) -> bool:
 
 
 def write_corpus(path: str | Path, papers: Iterable[Paper]) -> int:
-    """Write papers as JSON lines; returns how many were written. Written beside `path` and
-    renamed into place: a write that fails leaves a corpus already there as it was."""
-    encoder = msgspec.json.Encoder()
-    n = 0
-    partial = f"{path}.partial"
-    try:
-        with open(partial, "wb") as f:
-            for paper in papers:
-                f.write(encoder.encode(paper))
-                f.write(b"\n")
-                n += 1
-        os.replace(partial, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
-        raise
-    return n
+    """Write papers as JSON lines (`write_jsonl`: a failed write leaves a corpus already there
+    as it was); returns how many were written."""
+    return write_jsonl(path, papers)
 
 
 def read_corpus(path: str | Path) -> dict[str, Paper]:

@@ -9,6 +9,7 @@ holds the G roots of one task and all their descendants, linked by `parent_id` /
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -22,8 +23,10 @@ __all__ = [
     "ToolCall",
     "Trajectory",
     "Turn",
+    "failed_everywhere",
     "read_groups",
     "write_groups",
+    "write_jsonl",
 ]
 
 FinishReason = Literal["final", "max_turns", "context", "timeout", "error", "aborted"]
@@ -150,16 +153,27 @@ def failed_everywhere(groups: Iterable[RolloutGroup]) -> str | None:
 
 
 def write_groups(path: str | Path, groups: Iterable[RolloutGroup]) -> int:
-    """Write groups as JSON lines; returns how many were written. Written beside `path` and
-    renamed into place: what `path` held stays whole until the new file is."""
+    """Write groups as JSON lines (`write_jsonl`); returns how many were written."""
+    return write_jsonl(path, groups)
+
+
+def write_jsonl(path: str | Path, records: Iterable[Any]) -> int:
+    """Write msgspec records as JSON lines; returns how many were written. Written beside
+    `path` and renamed into place: a write that fails or is killed leaves what `path` held
+    as it was."""
     n = 0
     partial = f"{path}.partial"
-    with open(partial, "wb") as f:
-        for group in groups:
-            f.write(_encoder.encode(group))
-            f.write(b"\n")
-            n += 1
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as f:
+            for record in records:
+                f.write(_encoder.encode(record))
+                f.write(b"\n")
+                n += 1
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
     return n
 
 
