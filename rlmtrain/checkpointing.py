@@ -42,7 +42,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from rlmtrain import parallel
 from rlmtrain.model.hf import CheckpointError
@@ -241,14 +240,14 @@ def _check_finite(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
     names = {id(p): name for name, p in model.named_parameters()}
     found = None
     for name, parameter in model.named_parameters():
-        if not torch.isfinite(_local(parameter.detach())).all():
+        if not torch.isfinite(parallel.local_shard(parameter.detach())).all():
             found = f"parameter {name}"
             break
     for parameter, moments in optimizer.state.items():
         if found is not None:
             break
         for key, value in moments.items():
-            if torch.is_tensor(value) and not torch.isfinite(_local(value)).all():
+            if torch.is_tensor(value) and not torch.isfinite(parallel.local_shard(value)).all():
                 found = f"the optimizer's {key} of {names.get(id(parameter), '?')}"
                 break
     verdicts = parallel.all_gather(found)
@@ -258,10 +257,6 @@ def _check_finite(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opt
             f"{path}: damaged checkpoint: {bad[1]} holds NaN or infinite values (rank {bad[0]}'s "
             "shard); remove it to resume from an older one"
         )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def load_frozen(path: Path, name: str, module: torch.nn.Module) -> None:

@@ -31,7 +31,7 @@ import torch
 from rlmtrain import parallel
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.devices import host_memory
-from rlmtrain.model import ModelArgs
+from rlmtrain.model import ModelArgs, kv_cache_bytes
 
 GIB = 2**30
 # What a card keeps for itself and the CUDA context before any tensor: refused above the rest.
@@ -151,8 +151,9 @@ def estimate(cfg: Config, args: ModelArgs, world_size: int, card_bytes: int) -> 
     if cfg.rollout.engine == "vllm":
         engine = int(cfg.rollout.gpu_memory_utilization * card_bytes)
     else:
-        kv = cfg.rollout.kv_cache_tokens * args.num_layers * 2 * kv_width
-        engine = (parameters + kv) * compute_bytes
+        engine = parameters * compute_bytes + kv_cache_bytes(
+            args, cfg.rollout.kv_cache_tokens, compute_bytes
+        )
     if cfg.train.optimizer_offload:
         # One parameter's moments on the device at a time, and the step's temporary the size of
         # one: the largest is an embedding.

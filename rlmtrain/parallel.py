@@ -197,6 +197,11 @@ def _mesh(device: torch.device, replicate: int) -> DeviceMesh:
     )
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_rows(parameter: torch.Tensor) -> slice:
     """The rows of the whole parameter that this rank's shard of it holds (`_row_shards`: the
     last shards are shorter or empty)."""

@@ -12,6 +12,7 @@ would synthesise other tasks over the run's own and train on them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from pathlib import Path
 
 import msgspec
@@ -98,11 +99,7 @@ def _check_schedules(
     checkpoint: Path, recorded: dict[str, float | int | str], wanted: dict[str, float | int | str]
 ) -> None:
     free = {"train.steps"} if _rl_length_free(recorded, wanted) else set()
-    changed = [
-        f"{key}={recorded[key]!r} (the config says {wanted[key]!r})"
-        for key in SCHEDULE_KEYS
-        if key in recorded and recorded[key] != wanted[key] and key not in free
-    ]
+    changed = _changed(SCHEDULE_KEYS, recorded, wanted, free)
     if changed:
         raise CheckpointError(
             f"{checkpoint}: its run's schedules follow {', '.join(changed)}; resume with the "
@@ -113,16 +110,28 @@ def _check_schedules(
 def _check_data(
     checkpoint: Path, recorded: dict[str, float | int | str], wanted: dict[str, float | int | str]
 ) -> None:
-    changed = [
-        f"{key}={recorded[key]!r} (the config says {wanted[key]!r})"
-        for key in DATA_KEYS
-        if key in recorded and recorded[key] != wanted[key]
-    ]
+    changed = _changed(DATA_KEYS, recorded, wanted)
     if changed:
         raise CheckpointError(
             f"{checkpoint}: its run's tasks follow {', '.join(changed)}; resume with the "
             "checkpoint's values, or start a new run in another checkpoint.dir"
         )
+
+
+def _changed(
+    keys: tuple[str, ...],
+    recorded: dict[str, float | int | str],
+    wanted: dict[str, float | int | str],
+    free: Collection[str] = (),
+) -> list[str]:
+    """ "key=recorded (the config says wanted)" for each of `keys` the checkpoint recorded with
+    another value than the config's, but those in `free`; a key it never recorded (a
+    checkpoint older than the key's recording) is not compared."""
+    return [
+        f"{key}={recorded[key]!r} (the config says {wanted[key]!r})"
+        for key in keys
+        if key in recorded and recorded[key] != wanted[key] and key not in free
+    ]
 
 
 def resume_point(cfg: Config, folder: RunFolder) -> Path | None:

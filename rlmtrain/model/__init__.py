@@ -21,7 +21,7 @@ from rlmtrain.model.hf import (
     read_hf_args,
     save_hf,
 )
-from rlmtrain.model.kv_cache import CacheFull, KVCache
+from rlmtrain.model.kv_cache import CacheFull, KVCache, kv_cache_bytes
 from rlmtrain.model.presets import PRESETS, ModelArgs, RopeScaling, preset
 from rlmtrain.model.transformer import Transformer
 
@@ -36,6 +36,7 @@ __all__ = [
     "RowReader",
     "Transformer",
     "build_model",
+    "kv_cache_bytes",
     "load_hf",
     "load_hf_tensors",
     "model_skeleton",

@@ -64,7 +64,7 @@ from rlmtrain.model.presets import ModelArgs
 if TYPE_CHECKING:
     from rlmtrain.model.transformer import Transformer
 
-__all__ = ["AdmissionPlan", "CacheFull", "KVCache", "decode", "prefill"]
+__all__ = ["AdmissionPlan", "CacheFull", "KVCache", "decode", "kv_cache_bytes", "prefill"]
 
 _ROOT = b""
 """The parent digest of a sequence's first page."""
@@ -149,6 +149,12 @@ class AdmissionPlan:
                 self._computed.setdefault(digests[j], (index, j))
         self.prompts.append(planned)
         return len(planned.shared) * size
+
+
+def kv_cache_bytes(args: ModelArgs, tokens: int, itemsize: int) -> int:
+    """What a cache of `tokens` tokens holds for a model of `args`: keys and values of every
+    layer's KV heads, `itemsize` bytes an entry."""
+    return tokens * args.num_layers * 2 * args.num_kv_heads * args.head_dim * itemsize
 
 
 class KVCache:

@@ -18,7 +18,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import stat
 import tempfile
 import threading
 import time
@@ -88,16 +87,12 @@ def remove_abandoned(parent: str, *, still_s: float = _STILL_S) -> int:
     for name in entries:
         path = os.path.join(parent, name)
         try:
-            fd = os.open(path, _DIRECTORY)  # a symlink or a file under the name is refused
+            fd = os.open(path, _DIRECTORY)  # a symlink or a file under the name: refused
         except OSError:
             continue
         try:
             status = os.fstat(fd)
-            if (
-                status.st_uid != os.geteuid()
-                or not stat.S_ISDIR(status.st_mode)
-                or time.time() - status.st_mtime < still_s
-            ):
+            if status.st_uid != os.geteuid() or time.time() - status.st_mtime < still_s:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

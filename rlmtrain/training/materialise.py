@@ -12,7 +12,6 @@ weights equal those of the whole-model path, bit for bit, at any number of ranks
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from rlmtrain import parallel
 from rlmtrain.config import ModelConfig
@@ -38,7 +37,7 @@ def sharded_policy(
         else:
             params = dict(model.named_parameters())
             for name, values in model.initial_values(cfg.seed):
-                _local(params[name]).copy_(values[parallel.local_rows(params[name])])
+                parallel.local_shard(params[name]).copy_(values[parallel.local_rows(params[name])])
     return model
 
 
@@ -89,18 +88,16 @@ def _load_rows(model: Transformer, reader: RowReader) -> None:
     in a collective."""
     expected = dict(named_hf_tensors(model))
     for hf_name, parameter in expected.items():
-        _local(parameter).copy_(reader.read_rows(hf_name, parallel.local_rows(parameter)))
+        parallel.local_shard(parameter).copy_(
+            reader.read_rows(hf_name, parallel.local_rows(parameter))
+        )
     differs = False
     if TIED_HEAD in reader.names() and TIED_HEAD not in expected:
         embedding = model.embed_tokens.weight
         # The shapes first: rows of a head of another shape may not exist on every rank.
         differs = reader.shape(TIED_HEAD) != tuple(embedding.shape) or not torch.equal(
             reader.read_rows(TIED_HEAD, parallel.local_rows(embedding)).to(torch.float32),
-            _local(embedding).cpu(),
+            parallel.local_shard(embedding).cpu(),
         )
     if any(parallel.all_gather(differs)):
         raise tied_copy_differs(str(reader.directory))
-
-
-def _local(parameter: torch.Tensor) -> torch.Tensor:
-    return parameter.to_local() if isinstance(parameter, DTensor) else parameter

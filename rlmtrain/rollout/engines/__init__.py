@@ -127,10 +127,11 @@ def _check_kv_cache(config: Config, args: ModelArgs, device: torch.device) -> No
     import torch
 
     from rlmtrain.config import ConfigError
+    from rlmtrain.model import kv_cache_bytes
 
     tokens = config.rollout.kv_cache_tokens
     itemsize = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
-    needs = tokens * args.num_layers * 2 * args.num_kv_heads * args.head_dim * itemsize
+    needs = kv_cache_bytes(args, tokens, itemsize)
     if device.type == "cuda":
         has = torch.cuda.get_device_properties(device).total_memory
     else:
