@@ -185,6 +185,24 @@ def test_answered_child_credit_keeps_unanswered_children_out_of_their_root_succe
         assert answered[0].turns[kept] == inherit[0].turns[kept]
 
 
+def test_a_child_the_scheduler_could_not_run_trains_nothing():
+    """Its end (no REPL, an engine error) is the machine's; one whose own code killed its REPL
+    worker ends "error" without a failure and trains as it ended."""
+    group = _group("t", [[2], [2]], children={0: [[1], [1]]})
+    by_id = {t.id: t for t in group.trajectories}
+    by_id["t/r0/c0"].finish_reason = "error"
+    by_id["t/r0/c0"].failure = "BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    by_id["t/r0/c1"].finish_reason = "error"  # its code killed the worker
+    for cfg in (AlgoConfig(), AlgoConfig(child_credit="answered")):
+        advantages, _ = compute_advantages([group], StepRewards(roots=[[1.0, 0.0]]), cfg, eps=0.0)
+        assert set(advantages[0].turns) == {"t/r0", "t/r0/c1", "t/r1"}
+        samples = _by_turn(build_samples([group], advantages, cfg))
+        assert ("t/r0/c0", 0) not in samples and ("t/r0/c1", 0) in samples
+        # The sibling keeps its share (1/G halved over the two children, on its one token), as
+        # when both children train.
+        assert samples[("t/r0/c1", 0)].weights[0] == pytest.approx(float(F(1, 2) / 2))
+
+
 def test_bad_inputs_name_what_is_wrong():
     group = _group("t", [[2, 2], [3]])
     with pytest.raises(ValueError, match="task t: 3 rewards for 2 roots"):

@@ -225,6 +225,28 @@ def test_a_killed_rollout_keeps_the_groups_it_finished(tmp_path):
         assert all(root.finish_reason != "aborted" for root in group.roots)
 
 
+def test_an_rl_step_no_tree_of_which_could_run_stops_the_run_saying_why(
+    tmp_path, capsys, monkeypatch
+):
+    """Every root of an RL step failed in the scheduler: a step that trains nothing, again and
+    again, until the last; the run stops at the first, naming the cause and what the same
+    command does next."""
+    from rlmtrain.rlm import repl
+
+    async def no_processes_left(cls, **kwargs):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(repl.Zygote, "start", classmethod(no_processes_left))
+    argv = ["train", "--config", DEFAULT, f"--checkpoint.dir={tmp_path}", *SMALL]
+    argv += ["--logging.progress=false", "--train.sft_steps=0", "--train.steps=3"]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("rlmtrain train: error: rl step 0: no tree could run"), last
+    assert "BlockingIOError: [Errno 11] Resource temporarily unavailable" in last, last
+    assert "so the same command starts over" in last, last
+    assert not (tmp_path / "final").exists()
+
+
 @pytest.mark.parametrize("command", ["rollout", "eval"])
 def test_a_rollout_no_tree_of_which_could_run_says_why(tmp_path, capsys, monkeypatch, command):
     """Every tree failed in the scheduler (here no REPL could start: the machine is out of

@@ -231,6 +231,35 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
     ]
 
 
+FAILING = ROOT / "tests" / "failing_repl_train.py"
+
+
+@pytest.mark.parametrize("failing", ["1", "0,1"])
+def test_an_rl_step_stops_where_no_rank_s_tree_could_run(tmp_path, failing):
+    """Trees fail on rank 1 alone: the step trains rank 0's groups, its row counts the failed
+    roots, the run ends. On both ranks: every rank stops at step 0 with the cause, none waits
+    in a collective for another."""
+    run_dir = tmp_path / "run"
+    overrides = ["--train.sft_steps=0", "--train.steps=1"]
+    result = subprocess.run(
+        [*_torchrun(2, 29700), str(FAILING), failing, "train", *SHORT, *overrides,
+         f"--checkpoint.dir={run_dir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=_env(),
+    )  # fmt: skip
+    if failing == "1":
+        assert result.returncode == 0, result.stderr[-3000:]
+        (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+        assert row["generated_tokens_per_rank"][1] == 0 < row["generated_tokens_per_rank"][0]
+        assert row["roots_failed"] == 2 and row["groups_kept"] + row["groups_dropped_uniform"] == 1
+        return
+    assert result.returncode != 0
+    stops = [line for line in result.stderr.splitlines() if "error: rl step 0" in line]
+    assert len(stops) == 2, result.stderr[-3000:]  # one line from each rank
+    for line in stops:
+        assert "no tree could run (each of its 4 roots failed in the scheduler)" in line, line
+        assert "BlockingIOError: [Errno 11] Resource temporarily unavailable" in line, line
+
+
 START = ROOT / "tests" / "distributed_start.py"
 
 

@@ -126,6 +126,24 @@ def test_registry_builds_env_and_reward_runs():
     assert "how many?" in prompt and "turn 3 of 6" in prompt
 
 
+def test_a_root_the_scheduler_could_not_run_is_unscored_not_zero():
+    env = get_env("test-echo", None)
+    task = CountTask(id="a", query="how many?", target=3)
+    failed = _root(1, "4")
+    failed.finish_reason, failed.failure = "error", "RuntimeError: engine died"
+    group = RolloutGroup(task=task, trajectories=[_root(0, "4"), failed, _root(2, "3")])
+    assert asyncio.run(env.reward(task, group)).scores == [0.0, 0.0, 1.0]
+    assert asyncio.run(env.root_scores([task], [group])) == [[0.0, None, 1.0]]
+    short = RolloutGroup(task=task, trajectories=[_root(0, "4")])
+
+    class Short(EchoEnv):
+        async def reward(self, task, group):
+            return RewardResult(scores=[1.0, 0.0])
+
+    with pytest.raises(ValueError, match="env test-echo: 2 scores for the 1 roots of a group"):
+        asyncio.run(Short(None).root_scores([task], [short]))
+
+
 def test_registry_errors():
     with pytest.raises(ValueError, match="unknown environment 'nope'.*evidence"):
         get_env("nope")

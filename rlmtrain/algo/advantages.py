@@ -23,8 +23,11 @@ being compared, not a sample from which a wider spread is estimated; with ddof=0
 advantages of a group have unit mean square for every G, whereas the sample std shrinks them as
 G falls (G=2 gives ±0.71 instead of ±1) and is undefined for a single scored root.
 
-A root whose reward is `None` (the judge failed, the tree was aborted) is left out of its group's
-statistics and yields no samples, nor do its descendants: an unscored answer is not a zero. A
+A root whose reward is `None` (the judge failed, the scheduler could not run it) is left out of
+its group's statistics and yields no samples, nor do its descendants: an unscored answer is not
+a zero. A descendant the scheduler could not run (`Trajectory.failure`: no REPL, an engine
+error) yields no samples either, whatever its root earned: how it ended is not the policy's
+doing (one whose own code killed its REPL worker has no `failure` and trains as it ended). A
 group whose scored rewards are all equal has zero advantage everywhere; it is dropped when
 `drop_uniform_groups` is set, otherwise kept (its tokens still count, e.g. towards a KL term).
 A group with no scored root is always dropped. Every drop is counted in `AdvantageStats`.
@@ -156,6 +159,8 @@ def compute_advantages(
             baseline = _mean_step_reward(per_turn, [traj for traj, _ in trees])
         turns: dict[str, list[float]] = {}
         for traj, a in trees:
+            if traj.failure:  # the scheduler could not run it: its end is not the policy's
+                continue
             if (
                 config.child_credit == "answered"
                 and traj.depth > 0

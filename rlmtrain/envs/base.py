@@ -127,11 +127,21 @@ class Env:
     async def root_scores(
         self, tasks: list[Task], groups: list[RolloutGroup]
     ) -> list[list[float | None]]:
-        """`reward(task, group).scores` of each task's group, in order."""
-        return [
-            (await self.reward(task, group)).scores
-            for task, group in zip(tasks, groups, strict=True)
-        ]
+        """`reward(task, group).scores` of each task's group, in order. A root the scheduler
+        could not run (`Trajectory.failure`: no REPL, an engine error) is unscored (None)
+        whatever its reward says: its missing answer is the machine's, not the policy's, and as
+        a 0 it would push down every token the policy sampled before the failure."""
+        scores = []
+        for task, group in zip(tasks, groups, strict=True):
+            values = (await self.reward(task, group)).scores
+            roots = group.roots
+            if len(values) != len(roots):
+                raise ValueError(
+                    f"env {self.name}: {len(values)} scores for the {len(roots)} roots of a group"
+                )
+            scored = zip(roots, values, strict=True)
+            scores.append([None if root.failure else value for root, value in scored])
+        return scores
 
     def load_tasks(self, path: str | Path) -> list[Task]:
         """All tasks of a JSONL file, as this environment's task type."""

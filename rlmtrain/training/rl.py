@@ -25,8 +25,10 @@ from rlmtrain.algo import build_samples, compute_advantages
 from rlmtrain.algo.staleness import summarise, token_staleness
 from rlmtrain.config import Config
 from rlmtrain.envs.base import Task
+from rlmtrain.errors import UserError
 from rlmtrain.model import Transformer
 from rlmtrain.optim import build_optimizer, lr_at, set_lr
+from rlmtrain.resume import after_a_stop
 from rlmtrain.rewards.step_rewards import StepRewarder
 from rlmtrain.rollout import dealing
 from rlmtrain.rollout.scheduler import Scheduler
@@ -108,6 +110,8 @@ async def rl_step(
     marks = {"rollout": memory.figures(run.device)}
     groups, scored = rolled.groups, rolled.scored
     batch = [tasks[i] for i in scored]
+    roots = [root for group in groups for root in group.roots]
+    failed = [root for root in roots if root.failure]
     rewards = await rewarder(batch, groups, step)
     advantages, adv_stats = compute_advantages(groups, rewards, cfg.algo)
     counts = parallel.all_sum(
@@ -116,12 +120,20 @@ async def rl_step(
                 len(advantages),
                 adv_stats.groups_dropped_uniform,
                 adv_stats.roots_unscored,
+                len(roots),
+                len(failed),
                 *rewarder.local_sums(rewards),
             ],
             dtype=torch.float64,
         )
     )
-    kept, dropped, unscored = (int(c) for c in counts[:3].tolist())
+    kept, dropped, unscored, all_roots, all_failed = (int(c) for c in counts[:5].tolist())
+    if all_roots and all_failed == all_roots:  # the same verdict on every rank
+        causes = parallel.all_gather(failed[0].failure if failed else "")
+        raise UserError(
+            f"rl step {step}: no tree could run (each of its {all_roots} roots failed in the "
+            f"scheduler): {next(c for c in causes if c)}; {after_a_stop(cfg)}"
+        )
     # Every weight divides by the global count of kept groups: docs/algorithm.md §4's
     # objective for the whole batch, of which each rank holds a share.
     local = build_samples(groups, advantages, cfg.algo, num_groups=max(1, kept))
@@ -140,8 +152,9 @@ async def rl_step(
         "groups_kept": kept,
         "groups_dropped_uniform": dropped,
         "roots_unscored": unscored,
+        "roots_failed": all_failed,
         **rolled.fields,
-        **rewarder.row(counts[3:].tolist()),
+        **rewarder.row(counts[5:].tolist()),
         **staleness.row(),
     }
     if samples:
