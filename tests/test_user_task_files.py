@@ -15,9 +15,14 @@ from rlmtrain.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def prepare(run: Path, config: str, tasks: Path, *extra: str) -> list[str]:
+def prepare(
+    run: Path, config: str, tasks: Path, *extra: str, held_out: Path | None = None
+) -> list[str]:
+    """Training and held-out tasks from `tasks` (the refusals: whichever set loads it), or
+    held-out ones from a file of their own."""
     argv = ["data", "prepare", "--config", str(ROOT / "configs" / config)]
-    argv += [f"--checkpoint.dir={run}", f"--data.train_path={tasks}", f"--data.eval_path={tasks}"]
+    argv += [f"--checkpoint.dir={run}", f"--data.train_path={tasks}"]
+    argv += [f"--data.eval_path={held_out or tasks}"]
     return [*argv, "--logging.progress=false", *extra]
 
 
@@ -99,7 +104,34 @@ def test_queries_the_teacher_has_no_plan_for_still_get_a_bpe_vocabulary(tmp_path
     rows = [json.loads(line) for line in tasks.read_text().splitlines()]
     rows[0]["query"] = "What is the main contribution?"
     tasks.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    held_out = tasks.with_name("held-out.jsonl")  # another question, not a training task
+    held_out.write_text(
+        json.dumps({**rows[-1], "id": "held-out", "query": "Which dataset?"}) + "\n"
+    )
     run = tmp_path / "run"
-    argv = prepare(run, "tiny-cpu.toml", tasks, "--model.tokenizer=bpe")
+    argv = prepare(run, "tiny-cpu.toml", tasks, "--model.tokenizer=bpe", held_out=held_out)
     assert main(argv) == 0, capsys.readouterr().err[-2000:]
     assert (run / "tokenizer" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("named", ["the same file", "a copy", "the sft file"])
+def test_held_out_tasks_a_phase_trains_on_are_refused(tmp_path, capsys, named):
+    """Their figures would be training figures reported as held-out."""
+    tasks = synthesized("evidence", tmp_path)
+    held_out, extra = tasks, []
+    if named != "the same file":
+        held_out = tasks.with_name("held-out.jsonl")
+        other = json.loads(tasks.read_text().splitlines()[0])
+        held_out.write_text(tasks.read_text() + json.dumps({**other, "id": "new"}) + "\n")
+    if named == "the sft file":
+        extra = [f"--data.sft_path={tasks}", "--train.steps=0"]
+    argv = prepare(tmp_path / "run", "tiny-cpu.toml", tasks, *extra, held_out=held_out)
+    line = refusal(capsys, argv)
+    key = "sft_path" if named == "the sft file" else "train_path"
+    first = json.loads(tasks.read_text().splitlines()[0])["id"]
+    shared = len(tasks.read_text().splitlines())
+    held = len(held_out.read_text().splitlines())
+    assert line.startswith(
+        f"rlmtrain data prepare: error: data.eval_path: {shared} of the {held} held-out tasks "
+        f"are training tasks too (task {first!r} is also in data.{key})"
+    ), line

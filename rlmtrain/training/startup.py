@@ -186,7 +186,25 @@ def task_sets(cfg: Config, env: Env) -> TaskSets:
     held_out = env.split_tasks(cfg, "eval") if cfg.eval.every else []
     if cfg.eval.tasks:
         held_out = held_out[: cfg.eval.tasks]
+    sft_key = "sft_path" if cfg.data.sft_path else "train_path"
+    _check_held_out(held_out, [("train_path", rl), (sft_key, sft)])
     return TaskSets(sft, rl, held_out)
+
+
+def _check_held_out(held_out: list[Task], trained: list[tuple[str, list[Task]]]) -> None:
+    """Refuse held-out tasks that a phase trains on (the same record in both files: the same
+    file named twice, or a task copied across): their figures would be training figures
+    reported as held-out. Synthesised sets come from disjoint groups and never share one."""
+    encode = msgspec.json.encode
+    held = {encode(task) for task in held_out}
+    for key, tasks in trained:
+        shared = [task for task in tasks if encode(task) in held]
+        if shared:
+            raise ConfigError(
+                f"data.eval_path: {len(shared)} of the {len(held_out)} held-out tasks are "
+                f"training tasks too (task {shared[0].id!r} is also in data.{key}): held-out "
+                "figures would be training figures; evaluate on tasks no phase trains on"
+            )
 
 
 def run_tokenizer(
