@@ -268,21 +268,31 @@ def test_a_resume_under_another_data_seed_is_refused_and_touches_nothing(
     assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
-def test_a_checkpoint_overwritten_in_place_with_nans_is_refused(tmp_path, two_tasks, one_step_run):
-    """Every size as the manifest says: read, its NaNs are found before a step or an export
-    uses them (a resume trained on and exported them)."""
+@pytest.mark.parametrize("written", ["zeros", "NaNs, sizes alone recorded"])
+def test_a_checkpoint_overwritten_in_place_is_refused(tmp_path, two_tasks, one_step_run, written):
+    """Every size as the manifest says: other finite values are caught by the file's CRC-32,
+    NaNs in a checkpoint whose manifest holds sizes alone (written before the sums were) once
+    read, before a step or an export uses them (a resume trained on and exported either)."""
     run = _one_checkpoint(tmp_path, one_step_run)
     checkpoint = run / "checkpoints" / "sft-000001"
     victim = max((p for p in (checkpoint / "state").iterdir()), key=lambda p: p.stat().st_size)
     with victim.open("r+b") as f:
         f.seek(victim.stat().st_size // 3)
-        f.write(b"\xff" * 65536)
+        f.write((b"\x00" if written == "zeros" else b"\xff") * 65536)
+    manifest = json.loads((checkpoint / "COMPLETE").read_text())
+    assert all(set(entry) == {"bytes", "crc32"} for entry in manifest.values()), manifest
+    if written != "zeros":
+        sizes = {name: entry["bytes"] for name, entry in manifest.items()}
+        (checkpoint / "COMPLETE").write_text(json.dumps(sizes))
     exported = (run / "final" / "model.safetensors").read_bytes()
     result = _train(run, two_tasks, "--checkpoint.resume=true")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     line = result.stderr.strip().splitlines()[-1]
     assert f"{checkpoint}: damaged checkpoint: " in line, line
-    assert "holds NaN or infinite values" in line, line
+    if written == "zeros":
+        assert f"the bytes of {victim.relative_to(checkpoint)} are not those saved" in line, line
+    else:
+        assert "holds NaN or infinite values" in line, line
     assert (run / "final" / "model.safetensors").read_bytes() == exported
 
 
