@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from rlmtrain.config import Config
+from rlmtrain.parallel import local_shard
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, phase: str) -> torch.optim.Optimizer:
@@ -78,7 +79,7 @@ class HostAdamW(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                local = _local(param)
+                local = local_shard(param)
                 on_cuda |= local.is_cuda
                 state = self.state[param]
                 if not state:
@@ -87,11 +88,11 @@ class HostAdamW(torch.optim.Optimizer):
                     where = local.device if group["fused"] else torch.device("cpu")
                     state["step"] = torch.zeros((), dtype=torch.float32, device=where)
                     state.update({key: _host_zeros_like(param) for key in MOMENTS})
-                moments = [_local(state[key]) for key in MOMENTS]
+                moments = [local_shard(state[key]) for key in MOMENTS]
                 on_device = [m.to(local.device, non_blocking=True) for m in moments]
                 adam(
                     [local],
-                    [_local(param.grad)],
+                    [local_shard(param.grad)],
                     [on_device[0]],
                     [on_device[1]],
                     [],
@@ -120,12 +121,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 """torch AdamW's state keys of the two moments, the tensors HostAdamW keeps in host memory."""
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _host_zeros_like(param: torch.Tensor) -> torch.Tensor:
-    local = _local(param)
+    local = local_shard(param)
     host = torch.zeros(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
     if isinstance(param, DTensor):
         # DTensor.from_local would move the host tensor to the mesh's device; FSDP2 builds its
@@ -156,12 +153,12 @@ def _moments_on_host(optimizer: HostAdamW) -> None:
             moment = state.get(key)
             if isinstance(moment, _Moment):
                 moment = moment.tensor
-            held = _local(moment)
+            held = local_shard(moment)
             # A DCP load fills the host tensors this optimizer made: kept as they are. Anything
             # else (another optimizer's state dict) is copied into a host tensor of its own.
-            if held.device.type != "cpu" or held.is_pinned() != _local(param).is_cuda:
+            if held.device.type != "cpu" or held.is_pinned() != local_shard(param).is_cuda:
                 host = _host_zeros_like(param)
-                _local(host).copy_(held)
+                local_shard(host).copy_(held)
                 moment = host
             state[key] = moment
 
