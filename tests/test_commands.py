@@ -225,12 +225,13 @@ def test_a_killed_rollout_keeps_the_groups_it_finished(tmp_path):
         assert all(root.finish_reason != "aborted" for root in group.roots)
 
 
-def test_an_rl_step_no_tree_of_which_could_run_stops_the_run_saying_why(
-    tmp_path, capsys, monkeypatch
+@pytest.mark.parametrize("phase", ["sft", "rl"])
+def test_a_phase_no_tree_of_which_could_run_stops_the_run_saying_why(
+    tmp_path, capsys, monkeypatch, phase
 ):
     """Every root of an RL step failed in the scheduler: a step that trains nothing, again and
     again, until the last; the run stops at the first, naming the cause and what the same
-    command does next."""
+    command does next. Every tree of the SFT teacher: the cause, not the teacher's limits."""
     from rlmtrain.rlm import repl
 
     async def no_processes_left(cls, **kwargs):
@@ -238,11 +239,15 @@ def test_an_rl_step_no_tree_of_which_could_run_stops_the_run_saying_why(
 
     monkeypatch.setattr(repl.Zygote, "start", classmethod(no_processes_left))
     argv = ["train", "--config", DEFAULT, f"--checkpoint.dir={tmp_path}", *SMALL]
-    argv += ["--logging.progress=false", "--train.sft_steps=0", "--train.steps=3"]
-    assert main(argv) == 2
+    argv += ["--logging.progress=false", f"--train.sft_steps={2 if phase == 'sft' else 0}"]
+    argv += ["--rollout.max_turns=2"] if phase == "sft" else []  # the teacher's least
+    assert main([*argv, "--train.steps=3"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("rlmtrain train: error: rl step 0: no tree could run"), last
     assert "BlockingIOError: [Errno 11] Resource temporarily unavailable" in last, last
+    if phase == "sft":
+        assert last.startswith("rlmtrain train: error: sft: no tree of the evidence teacher could")
+        return
+    assert last.startswith("rlmtrain train: error: rl step 0: no tree could run"), last
     assert "so the same command starts over" in last, last
     assert not (tmp_path / "final").exists()
 

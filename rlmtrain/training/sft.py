@@ -18,8 +18,10 @@ from rlmtrain import parallel
 from rlmtrain.algo import Sample, build_sft_samples
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs.base import Env, Task
+from rlmtrain.errors import UserError
 from rlmtrain.model.tokenizer import Tokenizer
 from rlmtrain.optim import lr_at, set_lr
+from rlmtrain.rlm.records import failed_everywhere
 from rlmtrain.rollout.teaching import teach
 from rlmtrain.training.run import Run, mean_or_nan
 from rlmtrain.training.steps import pack_samples, sft_step
@@ -76,6 +78,9 @@ async def teacher_samples(
     with a REPL error or a zero score (the env's own reward) are dropped."""
     began = time.perf_counter()
     groups = await teach(env, tasks, tokenizer, cfg.rollout)
+    failure = failed_everywhere(groups)
+    if failure:  # the machine's doing, not the teacher's nor the limits'
+        raise UserError(f"sft: no tree of the {env.name} teacher could run: {failure}")
     scores = {}
     for group, values in zip(groups, await env.root_scores(tasks, groups), strict=True):
         for root, value in zip(group.roots, values, strict=True):
