@@ -242,13 +242,16 @@ def test_a_phase_no_tree_of_which_could_run_stops_the_run_saying_why(
     argv += ["--logging.progress=false", f"--train.sft_steps={2 if phase == 'sft' else 0}"]
     argv += ["--rollout.max_turns=2"] if phase == "sft" else []  # the teacher's least
     assert main([*argv, "--train.steps=3"]) == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
     assert "BlockingIOError: [Errno 11] Resource temporarily unavailable" in last, last
     if phase == "sft":
         assert last.startswith("rlmtrain train: error: sft: no tree of the evidence teacher could")
         return
     assert last.startswith("rlmtrain train: error: rl step 0: no tree could run"), last
     assert "so the same command starts over" in last, last
+    # The evaluation before it went on (a final one must not lose the export), saying so.
+    assert "eval init: no tree could run, no figure is the policy's: BlockingIOError" in err
     assert not (tmp_path / "final").exists()
 
 

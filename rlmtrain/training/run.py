@@ -24,6 +24,7 @@ from rlmtrain.model import Transformer, save_hf
 from rlmtrain.model.bpe import tokenizer_files
 from rlmtrain.model.hf import hf_named
 from rlmtrain.model.tokenizer import Tokenizer
+from rlmtrain.rlm.records import failed_everywhere
 from rlmtrain.rollout import dealing
 from rlmtrain.rollout.engine import Engine
 from rlmtrain.run_folder import RunFolder
@@ -155,6 +156,11 @@ class Run:
                 _engines(sum(1 for share in shares if share)),
                 figures["seconds"],
             )
+            failure = failed_everywhere(groups)
+            if failure:  # the run goes on (a final one stopped here would lose the export)
+                log.warning(
+                    "eval %s: no tree could run, no figure is the policy's: %s", phase, failure
+                )
         parallel.barrier()
 
     async def evaluate_once(self, phase: str, step: int) -> None:
