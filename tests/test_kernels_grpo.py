@@ -219,17 +219,36 @@ def test_bad_options_are_named():
         grpo_loss(logp, old, adv, w, ref_logp=old, beta=math.inf)
     with pytest.raises(ValueError, match="logp must be a floating tensor"):
         grpo_loss(logp.long(), old, adv, w)
+    with pytest.raises(ValueError, match=r"beta must be finite and >= 0 .* got -0.1"):
+        grpo_loss(logp, old, adv, w, ref_logp=old, beta=-0.1)
+    # A string (YAML reads 1e-3 as one) or a bool is no option value; a list or an array no
+    # per-token tensor (numpy's `.device` is the string 'cpu': "on cpu, expected cpu").
+    for option, bad in [("beta", "1e-3"), ("clip_low", "0.2"), ("clip_high", True)]:
+        with pytest.raises(TypeError, match=f"grpo_loss: {option} must be a real number"):
+            grpo_loss(logp, old, adv, w, ref_logp=old, **{option: bad})
+    for name, bad in [("advantages", adv.numpy()), ("weights", w.tolist())]:
+        given = {"advantages": adv, "weights": w, name: bad}
+        with pytest.raises(TypeError, match=f"grpo_loss: {name} must be a torch.Tensor"):
+            grpo_loss(logp, old, **given)
+    with pytest.raises(TypeError, match="grpo_loss: logp must be a torch.Tensor, got float"):
+        grpo_loss(-3.0, old, adv, w)
+    # The log-probs a ratio is taken against, in 16 bits, would clip on-policy tokens.
+    for name in ("old_logp", "ref_logp", "sampler_logp"):
+        given = {"ref_logp": old, "sampler_logp": old, name: old.bfloat16()}
+        with pytest.raises(ValueError, match=f"grpo_loss: {name} is torch.bfloat16 against"):
+            grpo_loss(logp, given.pop("old_logp", old), adv, w, beta=0.1, **given)
     assert math.isfinite(grpo_loss(logp, old, adv, w)[0].item())
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("poisoned", ["logp", "old", "sampler"])
+@pytest.mark.parametrize("poisoned", ["logp", "old", "sampler", "advantages"])
 def test_nan_in_a_counted_token_reaches_the_loss_on_every_backend(poisoned, device):
-    """A NaN log-prob must show in the loss and the ratio metrics, as torch's clamp and max
-    propagate it, never be clipped or capped into a finite value; both backends agree on
-    every gradient."""
+    """A NaN log-prob or advantage must show in the loss, the ratio metrics and the token's
+    gradient, as torch's clamp and max propagate it, never be clipped or capped into a finite
+    value (a gradient of 0 there would pass a trainer's finite-norm guard and drop the token
+    unseen); both backends agree on every gradient."""
     logp, old, adv, w, ref, sampler = random_tokens(64, device)
-    {"logp": logp, "old": old, "sampler": sampler}[poisoned][3] = math.nan
+    {"logp": logp, "old": old, "sampler": sampler, "advantages": adv}[poisoned][3] = math.nan
     assert w[3] != 0
     results = {}
     for impl in IMPLS:
@@ -240,7 +259,7 @@ def test_nan_in_a_counted_token_reaches_the_loss_on_every_backend(poisoned, devi
         )  # fmt: skip
         (grad,) = torch.autograd.grad(loss, x)
         results[impl] = loss, grad, m
-        assert torch.isnan(loss)
+        assert torch.isnan(loss) and torch.isnan(grad[3]), (impl, grad[3])
     ratio_max = [results[impl][2].ratio_max for impl in IMPLS]
     assert torch.isnan(ratio_max[0]) == torch.isnan(ratio_max[1])
     torch.testing.assert_close(*(r[1] for r in results.values()), equal_nan=True)

@@ -2,6 +2,7 @@
 own error at the same input dtype. The Triton cases run the real kernels (in the interpreter on
 CPU, compiled on CUDA when a GPU is present)."""
 
+import math
 import os
 import subprocess
 import sys
@@ -289,8 +290,15 @@ def test_bad_inputs_are_named():
         fused_linear_logprob(hidden, weight.bfloat16(), targets)
     with pytest.raises(ValueError, match="int32 or int64"):
         fused_linear_logprob(hidden, weight, targets.float())
-    with pytest.raises(ValueError, match="temperature"):
-        fused_linear_logprob(hidden, weight, targets, temperature=0.0)
+    for temperature in (0.0, math.inf, math.nan, 1e-45):  # inf trains nothing, 1e-45 is NaN
+        with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+            fused_linear_logprob(hidden, weight, targets, temperature=temperature)
+    with pytest.raises(TypeError, match="fused_linear_logprob: temperature must be a real"):
+        fused_linear_logprob(hidden, weight, targets, temperature="1.0")
+    with pytest.raises(TypeError, match="fused_linear_logprob: ignore_index must be an int"):
+        fused_linear_logprob(hidden, weight, targets, ignore_index=None)
+    with pytest.raises(TypeError, match="fused_linear_logprob: hidden must be a torch.Tensor"):
+        fused_linear_logprob(hidden.numpy(), weight, targets)
     with pytest.raises(ValueError, match="impl='torch' only"):
         fused_linear_logprob(hidden.double(), weight.double(), targets, impl="triton")
     with pytest.raises(ValueError, match="weight has no rows"):
@@ -306,12 +314,14 @@ def test_the_fake_declares_the_dtypes_the_op_returns():
     assert [t.dtype for t in ops.linear_logprob_fwd(*args)][:3] == [torch.float64] * 3
     torch.library.opcheck(ops.linear_logprob_fwd, args)
     ones = torch.ones(3)
-    nll_args = (*args[:3], ones, 1.0, IGNORE, True, True, True, "torch", spec)
-    assert {t.dtype for t in ops.linear_nll_fwd(*nll_args)} == {torch.float64}
-    torch.library.opcheck(ops.linear_nll_fwd, nll_args)
-    grpo_args = (*args[:3], torch.zeros(3), ones, ones, None, None, 1.0, IGNORE, 0.0, 0.2, 0.2,
-                 None, None, True, True, True, "torch", spec)  # fmt: skip
-    torch.library.opcheck(ops.linear_grpo_fwd, grpo_args)
+    # Each gradient wanted or not: an absent one is an empty tensor, of the same dtype too.
+    for grads in [(True, True), (True, False), (False, True), (False, False)]:
+        nll_args = (*args[:3], ones, 1.0, IGNORE, True, *grads, "torch", spec)
+        assert {t.dtype for t in ops.linear_nll_fwd(*nll_args)} == {torch.float64}
+        torch.library.opcheck(ops.linear_nll_fwd, nll_args)
+        grpo_args = (*args[:3], torch.zeros(3), ones, ones, None, None, 1.0, IGNORE, 0.0, 0.2,
+                     0.2, None, None, True, *grads, "torch", spec)  # fmt: skip
+        torch.library.opcheck(ops.linear_grpo_fwd, grpo_args)
 
 
 def test_imports_and_runs_without_triton():

@@ -100,18 +100,18 @@ def test_poisoned_ignored_rows_change_nothing(op, impl, device):
 
 def test_trained_rows_gather_and_scatter():
     targets = torch.tensor([5, IGNORE, 7, IGNORE, IGNORE, 2])
-    rows = TrainedRows(targets, IGNORE, 8)
+    rows = TrainedRows("test", targets, IGNORE, 8)
     assert rows.count == 3 and rows.index.tolist() == [0, 2, 5]
     values = torch.arange(12.0).view(6, 2)
     assert rows.take(values).tolist() == [[0, 1], [4, 5], [10, 11]]
     assert rows.put(torch.ones(3)).tolist() == [1, 0, 1, 0, 0, 1]
     assert rows.take(None) is None
 
-    every = TrainedRows(torch.tensor([1, 2, 3]), IGNORE, 8)
+    every = TrainedRows("test", torch.tensor([1, 2, 3]), IGNORE, 8)
     assert every.index is None and every.count == 3
     assert every.take(values) is values  # nothing ignored: no copies
 
-    none = TrainedRows(torch.full((4,), IGNORE), IGNORE, 8)
+    none = TrainedRows("test", torch.full((4,), IGNORE), IGNORE, 8)
     assert none.count == 0 and none.put(torch.empty(0, 3)).shape == (4, 3)
 
 
@@ -122,5 +122,7 @@ def test_target_outside_the_vocabulary_is_named(op, impl, bad):
     hidden, weight, targets, trained, tok = packed_batch("cpu")
     row = int(trained.nonzero()[3, 0])
     targets[row] = bad
-    with pytest.raises(ValueError, match=rf"\[0, {V}\).*row {row} holds {bad}"):
+    public = {"logprob": "fused_linear_logprob", "grpo": "fused_linear_grpo_loss"}
+    named = public.get(op, "fused_linear_nll")
+    with pytest.raises(ValueError, match=rf"^{named}: targets .*\[0, {V}\).*row {row} holds {bad}"):
         OPS[op](impl)(hidden, weight, targets, tok)

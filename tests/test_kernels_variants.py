@@ -48,6 +48,13 @@ def stored_row_grads(monkeypatch):
         (dict(tiles={"forward": {"BLOCK_N": 0}}), "every entry must be a positive int"),
         (dict(tiles={"backward": {"BLOCK_N": 16, "BLOCK_V": 16}}), "must give"),
         (dict(tiles={"dlogits": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_H": 16, "G": 2}}), "got"),
+        # What Triton would refuse deep inside a compile (tl.arange, tl.dot, the launch).
+        (dict(tiles={"forward": {"BLOCK_N": 24, "BLOCK_V": 64, "BLOCK_H": 32}}), "'BLOCK_N': 24"),
+        (dict(tiles={"forward": {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_H": 8}}), "'BLOCK_H': 8"),
+        (
+            dict(tiles={"dlogits": {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_H": 16, "num_warps": 6}}),
+            "num_warps a power of two",
+        ),
     ],
 )
 def test_a_bad_choice_is_refused_when_made(choice, message):

@@ -73,7 +73,7 @@ def _linear_grpo_fwd(
     grpo = dict(
         beta=beta, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, tis_cap=tis_cap
     )
-    rows = TrainedRows(targets, ignore_index, weight.shape[0])
+    rows = TrainedRows("fused_linear_grpo_loss", targets, ignore_index, weight.shape[0])
     hidden, targets, old_logp, advantages, weights, ref_logp, sampler_logp = (
         rows.take(t)
         for t in (hidden, targets, old_logp, advantages, weights, ref_logp, sampler_logp)
@@ -124,8 +124,9 @@ def _linear_grpo_fwd(
         )  # fmt: skip
 
     # Custom ops return tensors only, none aliasing another: a fresh empty one means "not needed".
+    # Of the dtype the present one would have, as the fake kernel says (fp64 for fp64 inputs).
     def absent():
-        return hidden.new_empty(0, dtype=torch.float32)
+        return hidden.new_empty(0, dtype=reference.accumulation_dtype(hidden.dtype))
 
     return (
         loss,
@@ -232,7 +233,7 @@ def fused_linear_grpo_loss(
         differentiable w.r.t. hidden and weight.
     """
     op = "fused_linear_grpo_loss"
-    check_linear_inputs(op, hidden, weight, targets, temperature)
+    check_linear_inputs(op, hidden, weight, targets, temperature, ignore_index)
     check_token_tensors(
         op,
         hidden.shape[0],
@@ -243,7 +244,7 @@ def fused_linear_grpo_loss(
         ref_logp=ref_logp,
         sampler_logp=sampler_logp,
     )
-    check_grpo_options(beta, ref_logp, clip_low, clip_high, dual_clip, sampler_logp, tis_cap)
+    check_grpo_options(op, beta, ref_logp, clip_low, clip_high, dual_clip, sampler_logp, tis_cap)
     backend = resolve_impl(impl, hidden.device, op)
     check_backend_dtype(op, backend, hidden.dtype)
     spec = resolve(variants).spec

@@ -36,7 +36,7 @@ def _linear_nll_fwd(
     variants: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     chosen = Variants.from_spec(variants)
-    rows = TrainedRows(targets, ignore_index, weight.shape[0])
+    rows = TrainedRows("fused_linear_nll", targets, ignore_index, weight.shape[0])
     hidden, targets = rows.take(hidden), rows.take(targets)
     grad_logp = -rows.take(weights).float()
     need_grads = need_grad_hidden or need_grad_weight
@@ -64,8 +64,9 @@ def _linear_nll_fwd(
         )  # fmt: skip
 
     # Custom ops return tensors only, none aliasing another: a fresh empty one means "not needed".
+    # Of the dtype the present one would have, as the fake kernel says (fp64 for fp64 inputs).
     def absent():
-        return hidden.new_empty(0, dtype=torch.float32)
+        return hidden.new_empty(0, dtype=reference.accumulation_dtype(hidden.dtype))
 
     return (
         (grad_logp * logp).sum(),
@@ -146,7 +147,7 @@ def fused_linear_nll(
         loss fp32 0-dim (differentiable w.r.t. hidden and weight), or (loss, entropy [N]).
     """
     op = "fused_linear_nll"
-    check_linear_inputs(op, hidden, weight, targets, temperature)
+    check_linear_inputs(op, hidden, weight, targets, temperature, ignore_index)
     check_token_tensors(op, hidden.shape[0], hidden.device, weights=weights)
     backend = resolve_impl(impl, hidden.device, op)
     check_backend_dtype(op, backend, hidden.dtype)

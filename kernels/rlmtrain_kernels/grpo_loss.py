@@ -48,6 +48,7 @@ import torch
 
 from . import reference, second_order
 from ._backend import resolve_impl, tl, triton
+from .head_checks import check_real, check_tensor
 
 __all__ = ["GRPOMetrics", "grpo_loss"]
 
@@ -141,7 +142,9 @@ def _grpo_loss_kernel(
     # NaN propagates as through torch.clamp: a poisoned token must poison the loss, not clip.
     kept = tl.maximum(ratio, low, propagate_nan=tl.PropagateNan.ALL)
     clipped = -adv * tl.minimum(kept, high, propagate_nan=tl.PropagateNan.ALL)
-    take_unclipped = unclipped >= clipped
+    # And its gradient: a NaN advantage or old log-prob takes the unclipped branch, whose
+    # derivative carries the NaN (`>=` alone is False for NaN and gave a gradient of 0).
+    take_unclipped = (unclipped >= clipped) | (unclipped != unclipped)
     pg = tl.where(take_unclipped, unclipped, clipped)
     dpg = tl.where(take_unclipped, unclipped, 0.0)
     dual_active = tl.zeros([BLOCK], dtype=tl.int1)
@@ -348,6 +351,7 @@ def token_loss(logp, old_logp, advantages, weights, ref_logp, sampler_logp, opti
 
 
 def check_grpo_options(
+    op: str,
     beta: float,
     ref_logp: torch.Tensor | None,
     clip_low: float,
@@ -356,33 +360,56 @@ def check_grpo_options(
     sampler_logp: torch.Tensor | None,
     tis_cap: float | None,
 ) -> None:
+    named = {"beta": beta, "clip_low": clip_low, "clip_high": clip_high}
+    named.update({"dual_clip": dual_clip, "tis_cap": tis_cap})
+    for name, value in named.items():
+        if value is not None:
+            check_real(op, name, value)
     # Each test is written so that NaN fails it: every comparison with NaN is False.
-    if not math.isfinite(beta):
-        raise ValueError(f"grpo_loss: beta must be finite, got {beta}")
+    if not 0.0 <= beta < math.inf:
+        raise ValueError(
+            f"{op}: beta must be finite and >= 0 (a negative one rewards leaving the "
+            f"reference), got {beta}"
+        )
     if beta != 0.0 and ref_logp is None:
-        raise ValueError(f"grpo_loss: beta={beta} needs ref_logp")
+        raise ValueError(f"{op}: beta={beta} needs ref_logp")
     if not 0.0 <= clip_low < 1.0:
-        raise ValueError(f"grpo_loss: clip_low must be in [0, 1), got {clip_low}")
+        raise ValueError(f"{op}: clip_low must be in [0, 1), got {clip_low}")
     if not clip_high >= 0.0:
-        raise ValueError(f"grpo_loss: clip_high must be >= 0, got {clip_high}")
+        raise ValueError(f"{op}: clip_high must be >= 0, got {clip_high}")
     if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"grpo_loss: dual_clip must be > 1 (a ratio cap), got {dual_clip}")
+        raise ValueError(f"{op}: dual_clip must be > 1 (a ratio cap), got {dual_clip}")
     if tis_cap is not None and sampler_logp is None:
-        raise ValueError("grpo_loss: tis_cap needs sampler_logp")
+        raise ValueError(f"{op}: tis_cap needs sampler_logp")
     if tis_cap is not None and not tis_cap > 0.0:
-        raise ValueError(f"grpo_loss: tis_cap must be > 0, got {tis_cap}")
+        raise ValueError(f"{op}: tis_cap must be > 0, got {tis_cap}")
 
 
-def check_token_tensors(op: str, n: int, device: torch.device, **tensors) -> None:
+RATIO_LOGPROBS = ("old_logp", "ref_logp", "sampler_logp")
+"""The log-probs a ratio is taken against: in bf16 a log-prob of -20 is off by up to 0.06, a 6%
+error in a ratio that should read 1, enough to clip on-policy tokens. They must be fp32 or fp64,
+or of the policy's own log-probs' dtype (both sides rounded alike: an on-policy ratio is 1)."""
+
+
+def check_token_tensors(
+    op: str, n: int, device: torch.device, *, logp_dtype: torch.dtype = torch.float32, **tensors
+) -> None:
     for name, t in tensors.items():
         if t is None:
             continue
+        check_tensor(op, name, t)
         if t.shape != (n,):
             raise ValueError(f"{op}: {name} must have shape [{n}], got {list(t.shape)}")
         if t.device != device:
             raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
         if not t.is_floating_point():
             raise ValueError(f"{op}: {name} must be a floating tensor, got {t.dtype}")
+        if name in RATIO_LOGPROBS and t.dtype not in (torch.float32, torch.float64, logp_dtype):
+            raise ValueError(
+                f"{op}: {name} is {t.dtype} against log-probs in {logp_dtype}; a ratio's "
+                "log-probs must be float32 or float64 (bf16 rounds a log-prob of -20 by up to "
+                "0.06, a 6% ratio error): keep them in fp32 where they are made"
+            )
 
 
 def grpo_loss(
@@ -419,12 +446,14 @@ def grpo_loss(
     Returns:
         (loss: fp32 0-dim, metrics: GRPOMetrics of fp32 0-dim tensors).
     """
+    check_tensor("grpo_loss", "logp", logp)
     if logp.dim() != 1:
         raise ValueError(f"grpo_loss: logp must be 1-D [N], got shape {list(logp.shape)}")
     check_token_tensors(
         "grpo_loss",
         logp.shape[0],
         logp.device,
+        logp_dtype=logp.dtype,
         logp=logp,
         old_logp=old_logp,
         advantages=advantages,
@@ -432,7 +461,9 @@ def grpo_loss(
         ref_logp=ref_logp,
         sampler_logp=sampler_logp,
     )
-    check_grpo_options(beta, ref_logp, clip_low, clip_high, dual_clip, sampler_logp, tis_cap)
+    check_grpo_options(
+        "grpo_loss", beta, ref_logp, clip_low, clip_high, dual_clip, sampler_logp, tis_cap
+    )
     backend = resolve_impl(impl, logp.device, "grpo_loss")
     options = (beta, clip_low, clip_high, dual_clip, tis_cap, backend)
     detached = [t.detach() if t is not None else None for t in (ref_logp, sampler_logp)]

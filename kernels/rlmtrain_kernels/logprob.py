@@ -363,7 +363,7 @@ def _linear_logprob_fwd(
     `Variants.spec`."""
     v = weight.shape[0]
     chosen = Variants.from_spec(variants)
-    rows = TrainedRows(targets, ignore_index, v)
+    rows = TrainedRows("fused_linear_logprob", targets, ignore_index, v)
     keeps = _keeps(hidden, keep_logits, impl, chosen)
     kept_shape = logit_slabs.slab_buffer_shape(rows.count, v, chosen) if keeps else (0, v)
     kept = hidden.new_empty(kept_shape, dtype=torch.float32)
@@ -422,7 +422,7 @@ def _linear_logprob_bwd(
     impl: str,
     variants: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = TrainedRows(targets, ignore_index, weight.shape[0])
+    rows = TrainedRows("fused_linear_logprob", targets, ignore_index, weight.shape[0])
     trained = (
         rows.take(hidden),
         weight,
@@ -559,7 +559,7 @@ def fused_linear_logprob(
         logp [N] fp32, or (logp [N] fp32, entropy [N] fp32); both differentiable w.r.t. hidden
         and weight (gradients come back in their dtypes; dW is accumulated in fp32).
     """
-    check_linear_inputs("fused_linear_logprob", hidden, weight, targets, temperature)
+    check_linear_inputs("fused_linear_logprob", hidden, weight, targets, temperature, ignore_index)
     backend = resolve_impl(impl, hidden.device, "fused_linear_logprob")
     check_backend_dtype("fused_linear_logprob", backend, hidden.dtype)
     spec = resolve(variants).spec

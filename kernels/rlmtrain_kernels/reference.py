@@ -357,7 +357,8 @@ def grpo_forward(
     low, high = 1.0 - clip_low, 1.0 + clip_high
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(low, high)
-    take_unclipped = unclipped >= clipped
+    # A NaN advantage or old log-prob poisons the gradient too, not only the loss.
+    take_unclipped = (unclipped >= clipped) | unclipped.isnan()
     pg = torch.where(take_unclipped, unclipped, clipped)
     dpg = torch.where(take_unclipped, unclipped, 0.0)
     dual_active = torch.zeros_like(take_unclipped)

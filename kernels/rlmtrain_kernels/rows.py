@@ -20,7 +20,8 @@ __all__ = ["TrainedRows"]
 class TrainedRows:
     """The rows of one call whose target is not `ignore_index`, and the gather/scatter to them."""
 
-    def __init__(self, targets: torch.Tensor, ignore_index: int, vocab: int) -> None:
+    def __init__(self, op: str, targets: torch.Tensor, ignore_index: int, vocab: int) -> None:
+        """`op`: the public op the rows are for, which a bad id's error names."""
         trained = targets != ignore_index
         # An id past the head (a tokenizer larger than the model's vocabulary, say) would
         # otherwise get a log-prob of -lse, silently.
@@ -30,7 +31,7 @@ class TrainedRows:
         if outside_count:
             row = int(outside.nonzero()[0, 0])
             raise ValueError(
-                f"targets must be token ids in [0, {vocab}) or ignore_index={ignore_index}; "
+                f"{op}: targets must be token ids in [0, {vocab}) or ignore_index={ignore_index}; "
                 f"row {row} holds {int(targets[row])}"
             )
         self.total = targets.shape[0]

@@ -151,6 +151,14 @@ def _tile_shapes(tiles: Mapping[str, Mapping[str, int]] | TileShapes) -> TileSha
         items = tuple(shape.items() if isinstance(shape, Mapping) else shape)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for _, v in items):
             raise ValueError(f"Variants.tiles[{kernel!r}]: every entry must be a positive int")
+        # tl.arange takes power-of-two ranges, tl.dot operands of at least 16 a side; Triton
+        # launches a power-of-two number of warps. Refused here, not deep inside a compile.
+        odd = [(key, v) for key, v in items if not _launchable(key, v)]
+        if odd:
+            raise ValueError(
+                f"Variants.tiles[{kernel!r}]: BLOCK_* must be powers of two >= 16 and num_warps "
+                f"a power of two, got {dict(odd)}"
+            )
         keys, blocks = {key for key, _ in items}, TILE_BLOCKS[kernel]
         if not blocks <= keys <= blocks | LAUNCH_OPTIONS:
             raise ValueError(
@@ -159,6 +167,13 @@ def _tile_shapes(tiles: Mapping[str, Mapping[str, int]] | TileShapes) -> TileSha
             )
         shapes.append((kernel, tuple(sorted(items))))
     return tuple(sorted(shapes))
+
+
+def _launchable(key: str, value: int) -> bool:
+    power_of_two = value & (value - 1) == 0
+    if key.startswith("BLOCK"):
+        return power_of_two and value >= 16
+    return power_of_two if key == "num_warps" else True
 
 
 DEFAULT = Variants()
