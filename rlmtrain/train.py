@@ -74,18 +74,28 @@ def main(cfg: Config) -> int:
                 if not world.trains:
                     return uvloop.run(serve_rollouts(world, device))
                 return uvloop.run(_train(cfg, world, device))
-        except _Terminated:
-            log.warning("stopped by SIGTERM; %s", after_a_stop(cfg))
-            return 128 + signal.SIGTERM
+        except (_Terminated, KeyboardInterrupt) as stop:
+            # Ctrl-C too: one line saying what comes next, not a traceback from every rank.
+            signum = signal.SIGTERM if isinstance(stop, _Terminated) else signal.SIGINT
+            log.warning("stopped by %s; %s", signum.name, after_a_stop(cfg))
+            return 128 + signum
         finally:
             signal.signal(signal.SIGTERM, previous)
     finally:
         parallel.stop()
 
 
-class _Terminated(BaseException):
-    """A SIGTERM, raised where the main thread is: BaseException, like KeyboardInterrupt, so no
-    `except Exception` on the way swallows it."""
+class _Terminated(SystemExit):
+    """A SIGTERM, raised where the main thread is. A SystemExit, so nothing on the way swallows
+    it: no `except Exception`, and not the event loop, which hands any other exception raised in
+    one of its callbacks to its exception handler and goes on. The loop processes signals in
+    such a callback whenever it is idle (waiting on engines and REPLs, most of a rollout): a
+    plain BaseException there was logged as "Exception in callback" and the run went on, to
+    exit 0, or was SIGKILLed by torchrun 30 s later without its cleanup. Its code is the one a
+    process killed by SIGTERM exits with, should it ever reach the interpreter."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
 
 
 def _raise_terminated(signum: int, frame: object) -> None:

@@ -8,8 +8,9 @@ fp32), targets [N] int token ids; every per-token tensor is [N]; log-probs, entr
 metrics come back in fp32. The head is bias-free and unscaled: logits = hidden @ weight.T /
 temperature (a head with a bias or a logit soft-cap is another function). The log-probs a ratio
 is taken against (old_logp, ref_logp, sampler_logp) must be fp32 or fp64 (or grpo_loss's logp
-dtype): in bf16 a log-prob of -20 is off by up to 0.06, a 6% ratio. A NaN in a counted token reaches the loss and the
-gradient alike. Autograd only: torch.func's transforms (grad, vmap, jacrev) are not supported.
+dtype): in bf16 a log-prob of -20 is off by up to 0.06, a 6% ratio. A NaN in a counted token
+reaches the loss and the gradient alike. Autograd only: torch.func's transforms (grad, vmap,
+jacrev) are not supported.
 
     fused_linear_logprob(hidden, weight, targets, *, temperature=1.0, return_entropy=False,
                          ignore_index=-100, impl="auto", variants=None) -> logp [N] (, entropy [N])
