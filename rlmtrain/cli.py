@@ -3,7 +3,8 @@
 Commands that read a run take `--config FILE` and any number of `--section.key=value` overrides.
 Bad input of any command (config, data paths, checkpoint, tokenizer, model file, a backend that
 is not installed) is a `UserError`, caught here once: one line on stderr naming the input, exit
-code 2, never a traceback.
+code 2, never a traceback. A SIGTERM or Ctrl-C stops any command the same way, after its
+cleanup: one line, exit 128 + the signal's number (`rlmtrain.stops`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from types import ModuleType
 from rlmtrain.commands import COMMANDS, GROUPS, Command
 from rlmtrain.config import split_overrides
 from rlmtrain.errors import UserError
+from rlmtrain.stops import Terminated, stop_on_sigterm, stopped_by
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[Command, argparse.ArgumentParser]]:
@@ -58,10 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or (overrides and not command.takes_overrides):
         own[command].error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     try:
-        return _module(command).run(args, overrides)
+        with stop_on_sigterm():
+            return _module(command).run(args, overrides)
     except UserError as exc:
         print(f"{command.name}: error: {exc}", file=sys.stderr)
         return 2
+    except (Terminated, KeyboardInterrupt) as stop:
+        # Its cleanup ran on the way (engines closed, partial files removed or kept whole).
+        signum = stopped_by(stop)
+        print(f"{command.name}: stopped by {signum.name}", file=sys.stderr)
+        return 128 + signum
 
 
 def _module(command: Command) -> ModuleType:

@@ -25,19 +25,18 @@ from __future__ import annotations
 
 import logging
 import random
-import signal
 import sys
 import time
 
 import numpy as np
 import torch
-import uvloop
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rlmtrain import parallel
+from rlmtrain import parallel, stops
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.launch import check_launcher
 from rlmtrain.resume import after_a_stop
+from rlmtrain.stops import Terminated, stop_on_sigterm, stopped_by
 from rlmtrain.training.rl import rl_phase
 from rlmtrain.training.sft import sft_phase
 from rlmtrain.training.split import serve_rollouts
@@ -62,44 +61,21 @@ def main(cfg: Config) -> int:
         random.seed(cfg.train.seed)
         np.random.seed(cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
-        # A SIGTERM (a plain `kill`, torchrun stopping the other ranks after one failed, a
-        # scheduler's preemption) unwinds the run like an exception wherever it is, inside a
-        # train step too, so its cleanup runs: the engine is closed (vLLM's engine processes
-        # would otherwise outlive the trainer, orphaned and polling a core), REPL zygotes and
-        # the run log too. The line it ends with says what running the same command again does.
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        # A SIGTERM unwinds the run like an exception wherever it is (`stops`), so its cleanup
+        # runs; the line it ends with says what running the same command again does.
         try:
             # Log lines print above the run's progress bar instead of cutting through it.
-            with logging_redirect_tqdm():
+            with stop_on_sigterm(), logging_redirect_tqdm():
                 if not world.trains:
-                    return uvloop.run(serve_rollouts(world, device))
-                return uvloop.run(_train(cfg, world, device))
-        except (_Terminated, KeyboardInterrupt) as stop:
+                    return stops.run(serve_rollouts(world, device))
+                return stops.run(_train(cfg, world, device))
+        except (Terminated, KeyboardInterrupt) as stop:
             # Ctrl-C too: one line saying what comes next, not a traceback from every rank.
-            signum = signal.SIGTERM if isinstance(stop, _Terminated) else signal.SIGINT
+            signum = stopped_by(stop)
             log.warning("stopped by %s; %s", signum.name, after_a_stop(cfg))
             return 128 + signum
-        finally:
-            signal.signal(signal.SIGTERM, previous)
     finally:
         parallel.stop()
-
-
-class _Terminated(SystemExit):
-    """A SIGTERM, raised where the main thread is. A SystemExit, so nothing on the way swallows
-    it: no `except Exception`, and not the event loop, which hands any other exception raised in
-    one of its callbacks to its exception handler and goes on. The loop processes signals in
-    such a callback whenever it is idle (waiting on engines and REPLs, most of a rollout): a
-    plain BaseException there was logged as "Exception in callback" and the run went on, to
-    exit 0, or was SIGKILLed by torchrun 30 s later without its cleanup. Its code is the one a
-    process killed by SIGTERM exits with, should it ever reach the interpreter."""
-
-    def __init__(self) -> None:
-        super().__init__(128 + signal.SIGTERM)
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
 
 
 async def _train(cfg: Config, world: parallel.World, device: torch.device) -> int:

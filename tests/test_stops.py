@@ -18,40 +18,43 @@ from clocks import RUN_HANG_S
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_sigterm_raised_in_an_event_loop_callback_reaches_the_run():
-    """The loop processes signals in a callback of its own whenever it is idle (waiting on
-    engines and REPLs, most of a rollout), and hands any exception but SystemExit and
-    KeyboardInterrupt raised in a callback to its exception handler: the run went on."""
+@pytest.mark.parametrize("where", ["in the idle loop", "in a task"])
+def test_a_sigterm_stops_the_loop_s_main_task_after_its_cleanup(where):
+    """The loop processes a signal that comes while it is idle (waiting on engines and REPLs,
+    most of a rollout) in a callback of its own, and hands an exception raised there to its
+    exception handler: the run went on. Raised in a task, it goes up the awaits. Either way the
+    main task's cleanup runs to its end on the live loop (a shielded close included), then
+    `Terminated` reaches the caller."""
     code = textwrap.dedent(
-        """
-        import asyncio, os, signal
-        import uvloop
-        from rlmtrain.train import _raise_terminated, _Terminated
+        f"""
+        import asyncio, os, signal, threading
+        from rlmtrain import stops
+
+        async def close():
+            await asyncio.sleep(0.2)
+            print("closed")
 
         async def rollout():
-            loop = asyncio.get_running_loop()
-            done = loop.create_future()
-
-            def callback():  # the signal lands while the loop runs a callback
-                os.kill(os.getpid(), signal.SIGTERM)
-                done.set_result(None)
-
-            loop.call_soon(callback)
             try:
-                await asyncio.wait_for(done, 5)
+                if {where == "in the idle loop"!r}:  # from another thread, while the loop waits
+                    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                else:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                await asyncio.sleep(5)
             finally:
-                print("cleaned up")
+                await asyncio.shield(asyncio.ensure_future(close()))
 
-        signal.signal(signal.SIGTERM, _raise_terminated)
         try:
-            uvloop.run(rollout())
+            with stops.stop_on_sigterm():
+                stops.run(rollout())
             print("went on")
-        except _Terminated:
+        except stops.Terminated:
             print("stopped")
         """
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.stdout.split() == ["cleaned", "up", "stopped"], done.stdout + done.stderr
+    assert done.stdout.split() == ["closed", "stopped"], done.stdout + done.stderr
+    assert "Task was destroyed" not in done.stderr, done.stderr
 
 
 def _signalled_during_rl(run: Path, signum: int, head: list[str]) -> tuple[int, str]:
@@ -112,3 +115,38 @@ def test_torchrun_s_sigterm_stops_every_rank_by_itself(tmp_path):
     stops = [line for line in stderr.splitlines() if line.startswith("stopped by SIGTERM; ")]
     assert len(stops) == 2, stderr[-3000:]  # one from each rank
     assert "forcefully exiting via 9" not in stderr, stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_sigterm_stops_any_command_after_its_cleanup(tmp_path):
+    """`rlmtrain rollout` SIGTERMed midway: its engine and REPL zygotes are closed on the way
+    (each process it started is gone), the groups that ended stay in --out, and it ends in one
+    line, exit 143 (it died at once, by the signal's default)."""
+    import psutil
+
+    out = tmp_path / "trees.jsonl"
+    command = [sys.executable, "-m", "rlmtrain", "rollout", "--config", "configs/tiny-cpu.toml"]
+    command += ["--out", str(out), f"--checkpoint.dir={tmp_path / 'run'}"]
+    command += ["--logging.progress=false"]
+    job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    below: list[psutil.Process] = []
+    try:
+        give_up = time.monotonic() + RUN_HANG_S
+        while not out.exists() or not out.read_bytes().count(b"\n"):
+            assert job.poll() is None, job.stderr.read()[-3000:]
+            assert time.monotonic() < give_up, "no group written"
+            time.sleep(0.05)
+        below = psutil.Process(job.pid).children(recursive=True)
+        assert below, "the rollout started no process of its own"
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=RUN_HANG_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    text = stderr.decode()
+    assert job.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert text.strip().splitlines()[-1] == "rlmtrain rollout: stopped by SIGTERM", text[-3000:]
+    _, alive = psutil.wait_procs(below, timeout=30)
+    assert alive == [], f"left running: {[(p.pid, p.name()) for p in alive]}"
+    assert out.read_bytes().count(b"\n") >= 1  # what ended before the signal is kept

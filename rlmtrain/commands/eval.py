@@ -92,8 +92,7 @@ def _check_folder(directory: Path) -> None:
 
 def evaluate_checkpoint(config: Config, checkpoint: Path | None) -> dict[str, Any]:
     """The report of `checkpoint` (None: the run's final/, else the config's starting model)."""
-    import uvloop
-
+    from rlmtrain import stops
     from rlmtrain.envs.base import get_env
     from rlmtrain.evaluation import evaluate
     from rlmtrain.model import build_model
@@ -137,5 +136,5 @@ def evaluate_checkpoint(config: Config, checkpoint: Path | None) -> dict[str, An
             f"model.tokenizer: vocabulary of {tokenizer.vocab_size} does not fit the "
             f"model's {model.args.vocab_size} embeddings ({checkpoint or 'the config'})"
         )
-    report = uvloop.run(evaluate(config, model, tokenizer, env, tasks, progress=True))
+    report = stops.run(evaluate(config, model, tokenizer, env, tasks, progress=True))
     return {"phase": "eval", "step": 0, **report}

@@ -30,8 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
-    import uvloop
-
+    from rlmtrain import stops
     from rlmtrain.config import load_config
     from rlmtrain.envs.base import get_env
 
@@ -41,7 +40,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     config = load_config(args.config, overrides)
     env = get_env(config.data.env, config)
     tasks = env.split_tasks(config, "rl")[: args.limit]
-    print(uvloop.run(_rollout(config, tasks, env, out)))
+    print(stops.run(_rollout(config, tasks, env, out)))
     return 0
 
 

@@ -1,0 +1,92 @@
+"""Stopping a command on a signal: a SIGTERM (a plain `kill`, a scheduler's cancel, torchrun
+stopping the ranks after one failed) unwinds it wherever it is, inside a train step too, so its
+cleanup runs (engines closed: vLLM's engine processes would otherwise outlive it, orphaned and
+polling a core; REPL zygotes killed and their folders removed; logs and partial files closed).
+`rlmtrain.cli` stops every command so; one that can say more (what the same command does next)
+catches `Terminated` itself.
+
+Where the signal lands decides how it unwinds:
+- outside an event loop, or inside one of its tasks: `Terminated` is raised right there, and
+  goes up the awaits to whoever waits on that task, every `finally` on the way running on the
+  live loop;
+- in one of the loop's own callbacks (where the loop processes signals whenever it is idle,
+  waiting on engines and REPLs: most of a rollout): an exception raised there would go to the
+  loop's exception handler and the command would go on (it did: 2 of 3 SIGTERMed RL runs
+  trained to the end and exited 0), so the command's main task is cancelled instead, and
+  `run` turns the cancellation into `Terminated` once its cleanup is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import uvloop
+
+__all__ = ["Terminated", "run", "stop_on_sigterm", "stopped_by"]
+
+T = TypeVar("T")
+
+
+class Terminated(BaseException):
+    """A SIGTERM: a BaseException, like KeyboardInterrupt, so no `except Exception` on the way
+    swallows it."""
+
+
+class _Main:
+    """The main task of the command's event loop (`run`), and whether a SIGTERM stopped it."""
+
+    task: asyncio.Task | None = None
+    stopped = False
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        raise Terminated from None  # no event loop: plain code, unwound by the exception
+    main = _Main.task
+    if asyncio.current_task(loop) is not None or main is None or main.done():
+        raise Terminated
+    _Main.stopped = True
+    main.cancel()
+
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """A SIGTERM stops the command while inside (see the module's docstring)."""
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """`main` to its end on a fresh uvloop event loop; a SIGTERM that stopped it from one of the
+    loop's callbacks raises `Terminated` here, after its cleanup."""
+
+    async def marked() -> T:
+        _Main.task = asyncio.current_task()
+        return await main
+
+    _Main.stopped = False
+    try:
+        result = uvloop.run(marked())
+    except asyncio.CancelledError:
+        if _Main.stopped:
+            raise Terminated from None
+        raise
+    finally:
+        _Main.task = None
+    if _Main.stopped:  # the cancellation met an await that took its result instead
+        raise Terminated
+    return result
+
+
+def stopped_by(stop: BaseException) -> signal.Signals:
+    """The signal behind a `Terminated` (SIGTERM) or a KeyboardInterrupt (SIGINT, Ctrl-C)."""
+    return signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
