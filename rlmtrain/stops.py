@@ -6,13 +6,13 @@ polling a core; REPL zygotes killed and their folders removed; logs and partial 
 catches `Terminated` itself.
 
 Where the signal lands decides how it unwinds:
-- outside an event loop, or inside one of its tasks: `Terminated` is raised right there, and
-  goes up the awaits to whoever waits on that task, every `finally` on the way running on the
-  live loop;
-- in one of the loop's own callbacks (where the loop processes signals whenever it is idle,
-  waiting on engines and REPLs: most of a rollout): an exception raised there would go to the
-  loop's exception handler and the command would go on (it did: 2 of 3 SIGTERMed RL runs
-  trained to the end and exited 0), so the command's main task is cancelled instead, and
+- outside an event loop, or in the code of the command's main task (a train step): `Terminated`
+  is raised right there, and goes up, every `finally` on the way running (on the live loop);
+- anywhere else in the loop: in one of its own callbacks (where it processes signals whenever it
+  is idle, waiting on engines and REPLs: most of a rollout), an exception would go to the loop's
+  exception handler and the command would go on (it did: 2 of 3 SIGTERMed RL runs trained to
+  the end and exited 0); in another task, to whoever awaits that task, if anyone does. So the
+  main task is cancelled instead: it unwinds from its await, cancelling what it waits on, and
   `run` turns the cancellation into `Terminated` once its cleanup is done.
 """
 
@@ -49,8 +49,10 @@ def _on_sigterm(signum: int, frame: object) -> None:
     except RuntimeError:
         raise Terminated from None  # no event loop: plain code, unwound by the exception
     main = _Main.task
-    if asyncio.current_task(loop) is not None or main is None or main.done():
-        raise Terminated
+    if main is None or main.done() or asyncio.current_task(loop) is main:
+        raise Terminated  # the main task's own code (a train step): unwound where it runs
+    # A loop callback, or another task (one nobody may await: the exception would be lost in
+    # it): the main task unwinds from its await, cancelling the tasks it waits on.
     _Main.stopped = True
     main.cancel()
 
@@ -80,6 +82,11 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         if _Main.stopped:
             raise Terminated from None
         raise
+    except BaseExceptionGroup as group:
+        # Raised in the main task inside a TaskGroup (the scheduler's), it may come wrapped.
+        if group.subgroup(Terminated) is None and not _Main.stopped:
+            raise
+        raise Terminated from None
     finally:
         _Main.task = None
     if _Main.stopped:  # the cancellation met an await that took its result instead

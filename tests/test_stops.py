@@ -18,7 +18,7 @@ from clocks import RUN_HANG_S
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("where", ["in the idle loop", "in a task"])
+@pytest.mark.parametrize("where", ["in the idle loop", "in a task", "in a task group"])
 def test_a_sigterm_stops_the_loop_s_main_task_after_its_cleanup(where):
     """The loop processes a signal that comes while it is idle (waiting on engines and REPLs,
     most of a rollout) in a callback of its own, and hands an exception raised there to its
@@ -34,10 +34,18 @@ def test_a_sigterm_stops_the_loop_s_main_task_after_its_cleanup(where):
             await asyncio.sleep(0.2)
             print("closed")
 
+        async def tree():
+            os.kill(os.getpid(), signal.SIGTERM)  # in one of a group's tasks (a scheduler's tree)
+            await asyncio.sleep(5)
+
         async def rollout():
             try:
                 if {where == "in the idle loop"!r}:  # from another thread, while the loop waits
                     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                elif {where == "in a task group"!r}:
+                    async with asyncio.TaskGroup() as group:
+                        group.create_task(tree())
+                        group.create_task(asyncio.sleep(5))
                 else:
                     os.kill(os.getpid(), signal.SIGTERM)
                 await asyncio.sleep(5)
@@ -57,6 +65,12 @@ def test_a_sigterm_stops_the_loop_s_main_task_after_its_cleanup(where):
     assert "Task was destroyed" not in done.stderr, done.stderr
 
 
+def _interruptible() -> None:
+    """Ctrl-C's default back: a process started with SIGINT ignored (a test runner's worker, a
+    background job of a script) passes that on, and Python then leaves it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _signalled_during_rl(run: Path, signum: int, head: list[str]) -> tuple[int, str]:
     """A run of 200 RL steps given `signum` after its second RL checkpoint, mid-rollout: its
     exit code and stderr."""
@@ -67,7 +81,7 @@ def _signalled_during_rl(run: Path, signum: int, head: list[str]) -> tuple[int, 
     command += ["--logging.progress=false", "--checkpoint.every=1"]
     trainer = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_interruptible,
     )  # fmt: skip
     try:
         second = run / "checkpoints" / "rl-000002" / "COMPLETE"
