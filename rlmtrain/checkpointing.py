@@ -233,18 +233,12 @@ def crc32(path: Path, chunk: int = 1 << 24) -> int:
 
 
 def _check_sums(path: Path, manifest: dict[str, dict[str, int]]) -> None:
-    """Every rank sums the files it would have written and learns every rank's verdict: a file
-    whose bytes changed in place, sizes unchanged, is refused on all of them together."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Every rank sums the files it would have written (`_sums`) and learns every rank's
+    verdict: a file whose bytes changed in place, sizes unchanged, is refused on all of them
+    together."""
+    summed = _sums(path, [name for name, entry in manifest.items() if "crc32" in entry])
     wrong = next(
-        (
-            name
-            for name, entry in manifest.items()
-            if "crc32" in entry
-            and _summed_here(name, rank, world)
-            and crc32(path / name) != entry["crc32"]
-        ),
-        None,
+        (name for name, entry in summed.items() if entry["crc32"] != manifest[name]["crc32"]), None
     )
     found = next((name for name in parallel.all_gather(wrong) if name), None)
     if found is not None:

@@ -68,8 +68,8 @@ def stop_on_sigterm() -> Iterator[None]:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """`main` to its end on a fresh uvloop event loop; a SIGTERM that stopped it from one of the
-    loop's callbacks raises `Terminated` here, after its cleanup."""
+    """`main` to its end on a fresh uvloop event loop; a SIGTERM that cancelled it (from one
+    of the loop's callbacks or another task) raises `Terminated` here, after its cleanup."""
 
     async def marked() -> T:
         _Main.task = asyncio.current_task()
