@@ -18,6 +18,7 @@ import datetime
 import os
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from rlmtrain import watchdog
 from rlmtrain.devices import resolve_device
 
 
@@ -82,9 +84,12 @@ def start(
     timeout = datetime.timedelta(seconds=timeout_s)
     if dist.is_initialized():
         raise RuntimeError("a process group is already running in this process")
-    if inference_ranks:
+    if launched():
+        # Met through explicitly (as init_process_group's env:// would) to keep the store: the
+        # bridge between a split world's sides and the watchdog speak through it.
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
-        side = "trainers/" if trains else "inference/"
+        store.set_timeout(timeout)
+        side = ("trainers/" if trains else "inference/") if inference_ranks else "default_pg"
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(side, store),
@@ -93,8 +98,6 @@ def start(
             timeout=timeout,
         )
         _LAUNCH_STORE[:] = [store]
-    elif launched():
-        dist.init_process_group(backend, timeout=timeout)
     else:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
@@ -130,15 +133,33 @@ def split_refused(inference_ranks: int) -> str:
     return ""
 
 
-# The launch's store, kept by a split world's `start` for the bridge between its two sides.
+# The launch's store, kept by `start` for the bridge between a split world's two sides and for
+# the watchdog.
 _LAUNCH_STORE: list[Any] = []
 
 
 def launch_store() -> Any:
-    """The store every rank of a split world met through (refused in any other world)."""
+    """The store every launched rank met through (refused in a world of one process)."""
     if not _LAUNCH_STORE:
-        raise RuntimeError("only a world split for inference ranks has a bridge")
+        raise RuntimeError("a world of one process has no launch store")
     return _LAUNCH_STORE[0]
+
+
+def watch(stall_timeout_s: float) -> AbstractContextManager[Any]:
+    """This rank's progress watched with every launched rank's (`watchdog`), each on a
+    connection of its own to the launch's store; `stall_timeout_s` = 0: not watched."""
+    if not stall_timeout_s:
+        return nullcontext()
+    if not launched():
+        return watchdog.Watchdog(None, 0, 1, stall_timeout_s)
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    connection = launch_store().clone()
+    # A store that does not answer leaves the watchdog blind for this long, not the run's 30
+    # minutes; a launch restarted by torchrun keeps its store, so each attempt has its own keys.
+    connection.set_timeout(datetime.timedelta(seconds=max(60.0, stall_timeout_s)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"rlmtrain/watchdog/{attempt}/", connection)
+    return watchdog.Watchdog(store, rank, size, stall_timeout_s)
 
 
 def stop() -> None:
@@ -247,6 +268,7 @@ def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]
         # Yielded without a name of its own here, so that gathering the next one does not
         # find this one still held by the generator.
         yield name, _whole(parameter.detach())
+        watchdog.mark()
 
 
 def _whole(parameter: torch.Tensor) -> torch.Tensor:
@@ -311,7 +333,8 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
     counts exact)."""
     if size() > 1:
         moved = values.to(_comm_device())
-        dist.all_reduce(moved)
+        with watchdog.waiting("all_sum"):
+            dist.all_reduce(moved)
         values.copy_(moved)
     return values
 
@@ -320,7 +343,8 @@ def all_max(values: torch.Tensor) -> torch.Tensor:
     """`values`' elementwise maximum over the ranks, in place."""
     if size() > 1:
         moved = values.to(_comm_device())
-        dist.all_reduce(moved, op=dist.ReduceOp.MAX)
+        with watchdog.waiting("all_max"):
+            dist.all_reduce(moved, op=dist.ReduceOp.MAX)
         values.copy_(moved)
     return values
 
@@ -330,7 +354,8 @@ def all_gather(obj: Any) -> list[Any]:
     if size() == 1:
         return [obj]
     out: list[Any] = [None] * size()
-    dist.all_gather_object(out, obj, group=_objects_group())
+    with watchdog.waiting("all_gather"):
+        dist.all_gather_object(out, obj, group=_objects_group())
     return out
 
 
@@ -339,7 +364,8 @@ def gather_to_main(obj: Any) -> list[Any] | None:
     if size() == 1:
         return [obj]
     out: list[Any] | None = [None] * size() if rank() == 0 else None
-    dist.gather_object(obj, out, dst=0, group=_objects_group())
+    with watchdog.waiting("gather_to_main"):
+        dist.gather_object(obj, out, dst=0, group=_objects_group())
     return out
 
 
@@ -348,7 +374,8 @@ def broadcast(obj: Any) -> Any:
     if size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_objects_group())
+    with watchdog.waiting("broadcast"):
+        dist.broadcast_object_list(box, src=0, group=_objects_group())
     return box[0]
 
 
@@ -368,7 +395,8 @@ def _objects_group() -> Any:
 
 def barrier() -> None:
     if size() > 1:
-        dist.barrier()
+        with watchdog.waiting("barrier"):
+            dist.barrier()
 
 
 def _comm_device() -> torch.device:

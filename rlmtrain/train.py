@@ -67,7 +67,9 @@ def main(cfg: Config) -> int:
             # Log lines print above the run's progress bar instead of cutting through it.
             with stop_on_sigterm(), logging_redirect_tqdm():
                 if not world.trains:
-                    return stops.run(serve_rollouts(world, device))
+                    # Watched from the start: its first wait is for the trainers to reach RL.
+                    with parallel.watch(cfg.parallel.stall_timeout_s):
+                        return stops.run(serve_rollouts(world, device))
                 return stops.run(_train(cfg, world, device))
         except (Terminated, KeyboardInterrupt) as stop:
             # Ctrl-C too: one line saying what comes next, not a traceback from every rank.
@@ -82,11 +84,14 @@ async def _train(cfg: Config, world: parallel.World, device: torch.device) -> in
     began = time.perf_counter()
     run = await start_run(cfg, world, device)
     try:
-        if run.resume_from is None:
-            await run.evaluate("init", 0)
-        await sft_phase(run)
-        await rl_phase(run)
-        out = run.export()
+        # Watched once started: the start's long single calls (an engine's, a model's load)
+        # mark nothing, and the process group's timeout bounds them.
+        with parallel.watch(cfg.parallel.stall_timeout_s):
+            if run.resume_from is None:
+                await run.evaluate("init", 0)
+            await sft_phase(run)
+            await rl_phase(run)
+            out = run.export()
         log.info("saved %s (%.0f s in all)", out, time.perf_counter() - began)
         if run.tasks.held_out and world.is_main:
             sys.stderr.write(run.runlog.summary_table() + "\n")

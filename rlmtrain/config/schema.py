@@ -384,6 +384,15 @@ class ParallelConfig(Section):
             ge=1,
         ),
     ] = 1
+    stall_timeout_s: Annotated[
+        float,
+        _doc(
+            "stop the run when no rank has made progress (a completion, a micro-batch, a "
+            "parameter gathered) for this long, naming the rank that holds it up; 0 = never "
+            "(the process group's 30-minute timeout then ends a hung run)",
+            ge=0,
+        ),
+    ] = 600.0
 
 
 class CheckpointConfig(Section):

@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 import httpx
 import msgspec
 
+from rlmtrain import watchdog
 from rlmtrain.config import ConfigError, JudgeConfig
 
 __all__ = [
@@ -306,6 +307,7 @@ class ChatClient:
             try:
                 async with asyncio.timeout(self.config.timeout_s):
                     status, headers, payload = await self._post(body)
+                watchdog.mark()  # a judge's reply: a rank scoring many holds the others up
             except (TimeoutError, httpx.TimeoutException):
                 self.stats.timeouts += 1
                 raise _Retryable(f"timeout after {self.config.timeout_s}s") from None

@@ -52,6 +52,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from rlmtrain import watchdog
 from rlmtrain.config import RolloutConfig, too_few_workers
 from rlmtrain.model.tokenizer import with_chat_template_kwargs
 from rlmtrain.rlm.agent import (
@@ -419,7 +420,9 @@ class Scheduler:
                 tree.critical_priority(trajectory, self._turn_counts) if critical else by_depth
             )
             async with self._requests.slot(priority):
-                return await self.engine.generate(prompt_ids, params)
+                completion = await self.engine.generate(prompt_ids, params)
+            watchdog.mark()
+            return completion
 
         return Agent(
             env=env,

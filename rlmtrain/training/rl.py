@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from rlmtrain import checkpointing, memory, parallel
+from rlmtrain import checkpointing, memory, parallel, watchdog
 from rlmtrain.algo import build_samples, compute_advantages
 from rlmtrain.algo.staleness import summarise, token_staleness
 from rlmtrain.config import Config
@@ -34,7 +34,7 @@ from rlmtrain.rollout import dealing
 from rlmtrain.rollout.scheduler import Scheduler
 from rlmtrain.training.batches import task_batches
 from rlmtrain.training.materialise import sharded_like
-from rlmtrain.training.run import Run, mean_or_nan
+from rlmtrain.training.run import Run, mean_or_nan, watchdog_row
 from rlmtrain.training.split import RemoteRollouts, StepRollout, rollout_fields, step_sampling
 from rlmtrain.training.steps import DTYPES, grpo_step, pack_samples
 
@@ -95,6 +95,7 @@ async def rl_step(
     step's learning rate."""
     cfg, world = run.cfg, run.world
     began = time.perf_counter()
+    watchdog.phase(f"rl step {step}: rollout")
     lr = lr_at(cfg, "rl", step)
     set_lr(run.optimizer, lr)
     if remote is None:
@@ -158,6 +159,7 @@ async def rl_step(
         **staleness.row(),
     }
     if samples:
+        watchdog.phase(f"rl step {step}: training")
         train_began = time.perf_counter()
         packed = pack_samples(samples, cfg, world.size)
         await run.sync.release()
@@ -168,6 +170,7 @@ async def rl_step(
         marks["train"] = memory.figures(run.device)
         run.sync.stale()
     if samples or remote is not None:
+        watchdog.phase(f"rl step {step}: weight sync")
         sync_began = time.perf_counter()
         if remote is None:
             await run.sync()
@@ -181,6 +184,7 @@ async def rl_step(
     # The step waits for the slowest engine.
     row["rollout_s"] = float(parallel.all_max(torch.tensor([row["rollout_s"]]))[0])
     row["seconds"] = time.perf_counter() - began
+    row.update(watchdog_row())
     run.runlog.step(row)
     run.runlog.samples("rl", step, groups, scores)
     run.runlog.histograms(

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import msgspec
 import torch
 
-from rlmtrain import checkpointing, parallel
+from rlmtrain import checkpointing, parallel, watchdog
 from rlmtrain.config import Config
 from rlmtrain.envs.base import Env, Task
 from rlmtrain.evaluation import evaluated_tasks, report, roll_out, trees_per_task
@@ -111,6 +111,7 @@ class Run:
         (`rollout.dealing`, as a step's are), the groups gathered and reported by rank 0."""
         if not self.tasks.held_out:
             return
+        watchdog.phase(f"evaluation {phase} at step {step}")
         await self.sync()
         began = time.perf_counter()
         tasks = evaluated_tasks(self.cfg, self.tasks.held_out)
@@ -172,6 +173,7 @@ class Run:
     def checkpoint(
         self, phase: str, step: int, lr: float, reference: Transformer | None = None
     ) -> None:
+        watchdog.phase(f"saving checkpoint {phase} {step}")
         done = msgspec.structs.replace(self.state, phase=phase, step=step, lr=lr)
         frozen = {"reference": reference} if reference is not None else None
         out = checkpointing.save(
@@ -194,6 +196,7 @@ class Run:
         """The model as a Hugging Face checkpoint in `model.dtype`, with the tokenizer files it
         was trained with: gathered from the shards a parameter at a time onto rank 0's CPU,
         written by rank 0."""
+        watchdog.phase("export")
         return export(self.model, self.cfg, self.tokenizer, self.tokenizer_dir, self.folder.final)
 
     async def close(self) -> None:
@@ -225,6 +228,16 @@ def export(
         )
     parallel.barrier()
     return out
+
+
+def watchdog_row() -> dict[str, float]:
+    """A step row's `progress_gap_s`: the longest any rank worked in the step without marking
+    progress, the margin under `parallel.stall_timeout_s` (none when the run is not watched).
+    A collective: every rank calls it."""
+    gap = watchdog.longest_unmarked()
+    if gap is None:
+        return {}
+    return {"progress_gap_s": float(parallel.all_max(torch.tensor([gap], dtype=torch.float64))[0])}
 
 
 def mean_or_nan(values) -> float:

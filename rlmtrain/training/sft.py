@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import msgspec
 import numpy as np
 
-from rlmtrain import parallel
+from rlmtrain import parallel, watchdog
 from rlmtrain.algo import Sample, build_sft_samples
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.envs.base import Env, Task
@@ -23,7 +23,7 @@ from rlmtrain.model.tokenizer import Tokenizer
 from rlmtrain.optim import lr_at, set_lr
 from rlmtrain.rlm.records import failed_everywhere
 from rlmtrain.rollout.teaching import teach
-from rlmtrain.training.run import Run, mean_or_nan
+from rlmtrain.training.run import Run, mean_or_nan, watchdog_row
 from rlmtrain.training.steps import pack_samples, sft_step
 
 log = logging.getLogger("rlmtrain.train")
@@ -38,6 +38,7 @@ async def sft_phase(run: Run) -> None:
         return
     # A run resumed at SFT's end skips the teacher's trees: it would only skip them.
     if run.state.step < steps:
+        watchdog.phase("sft: the teacher's trees")
         samples = parallel.broadcast(
             await teacher_samples(cfg, run.env, run.tasks.sft, run.tokenizer)
             if world.is_main
@@ -47,6 +48,7 @@ async def sft_phase(run: Run) -> None:
         for _ in range(run.state.step):
             next(batches)
         for step in range(run.state.step, steps):
+            watchdog.phase(f"sft step {step}")
             began = time.perf_counter()
             lr = lr_at(cfg, "sft", step)
             set_lr(run.optimizer, lr)
@@ -54,6 +56,7 @@ async def sft_phase(run: Run) -> None:
             await run.sync.release()
             row = sft_step(run.model, run.optimizer, packed, cfg, run.device, rank=world.rank)
             row.update(phase="sft", step=step, lr=lr, seconds=time.perf_counter() - began)
+            row.update(watchdog_row())
             run.sync.stale()
             run.runlog.step(row)
             if run.due(step, steps):

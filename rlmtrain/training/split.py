@@ -40,7 +40,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from rlmtrain import parallel
+from rlmtrain import parallel, watchdog
 from rlmtrain.bridge import Bridge
 from rlmtrain.config import Config
 from rlmtrain.envs.base import Task, get_env
@@ -218,7 +218,8 @@ async def serve_rollouts(world: parallel.World, device: torch.device) -> int:
     """An inference rank's whole run: wait for RL to begin, then roll out every step's share
     and send it, taking each new policy as it comes."""
     bridge = Bridge(world, device)
-    hello: Hello = await asyncio.to_thread(bridge.broadcast)
+    with watchdog.waiting("the trainers' start of RL"):
+        hello: Hello = await asyncio.to_thread(bridge.broadcast)
     cfg, first, steps = hello.cfg, hello.first, hello.steps
     if first >= steps:
         return 0
@@ -263,6 +264,7 @@ async def serve_rollouts(world: parallel.World, device: torch.device) -> int:
         updates = asyncio.ensure_future(take_updates())
         try:
             for step in range(first, steps):
+                watchdog.phase(f"rollouts of rl step {step}")
                 rolled = await _first_of(ahead.take(step), updates)
                 _renumber(rolled, first - base)
                 share = [

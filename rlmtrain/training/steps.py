@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from rlmtrain import parallel
+from rlmtrain import parallel, watchdog
 from rlmtrain.algo import IGNORE_INDEX, MicroBatch, PackedBatches, Sample, pack
 from rlmtrain.algo.unfused import unfused_grpo_loss, unfused_logprob, unfused_nll
 from rlmtrain.config import Config
@@ -65,6 +65,7 @@ def sft_step(
         loss.backward()
         mask = mb.targets != IGNORE_INDEX
         sums += torch.stack([loss.detach(), entropy.detach()[mask].sum(), mask.sum()]).double()
+        watchdog.mark()
     grad_norm = clip_and_step(model, optimizer, cfg)
     loss_sum, entropy_sum, trained = parallel.all_sum(sums).tolist()
     return {
@@ -146,6 +147,7 @@ def grpo_step(
             # Each mini-batch's weights are its share of the whole objective; scaled back up,
             # every update sees a gradient of the objective's size.
             (loss * updates).backward()
+            watchdog.mark()
             trained = mb.targets != IGNORE_INDEX
             share = mb.num_tokens / batches.stats.tokens if trained.any() else 0.0
             sums += torch.stack(
