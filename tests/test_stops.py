@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import long_run
 import pytest
 from clocks import RUN_HANG_S
 
@@ -74,22 +75,9 @@ def _interruptible() -> None:
 def _signalled_during_rl(run: Path, signum: int, head: list[str]) -> tuple[int, str]:
     """A run of 200 RL steps given `signum` after its second RL checkpoint, mid-rollout: its
     exit code and stderr."""
-    command = [*head, "-m", "rlmtrain", "train", "--config", "configs/tiny-cpu.toml"]
-    command += [f"--checkpoint.dir={run}", "--data.sft_groups=3", "--data.synth_groups=2"]
-    command += ["--data.eval_groups=1", "--train.sft_steps=2", "--train.steps=200"]
-    command += ["--train.tasks_per_step=2", "--rollout.n_samples=2", "--eval.every=0"]
-    command += ["--logging.progress=false", "--checkpoint.every=1"]
-    trainer = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=_interruptible,
-    )  # fmt: skip
+    trainer = long_run.start(run, head, preexec_fn=_interruptible)
     try:
-        second = run / "checkpoints" / "rl-000002" / "COMPLETE"
-        give_up = time.monotonic() + RUN_HANG_S
-        while not second.exists():
-            assert trainer.poll() is None, trainer.stderr.read()[-3000:]
-            assert time.monotonic() < give_up, "no second RL checkpoint"
-            time.sleep(0.05)
+        long_run.until_checkpoint(trainer, run, "rl-000002")
         trainer.send_signal(signum)
         _, stderr = trainer.communicate(timeout=RUN_HANG_S)
     finally:

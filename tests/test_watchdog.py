@@ -17,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import long_run
 import pytest
 import torch.distributed as dist
 from clocks import HANG_S, RUN_HANG_S
@@ -263,25 +264,11 @@ def test_a_sigstopped_rank_stops_the_run_and_is_named(tmp_path):
 
     run = tmp_path / "run"
     port = str(29400 + os.getpid() % 100)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", port, "-m", "rlmtrain", "train"]
-    command += ["--config", "configs/tiny-cpu.toml", f"--checkpoint.dir={run}"]
-    command += ["--data.sft_groups=3", "--data.synth_groups=2", "--data.eval_groups=1"]
-    command += ["--train.sft_steps=2", "--train.steps=200", "--train.tasks_per_step=2"]
-    command += ["--rollout.n_samples=2", "--eval.every=0", "--logging.progress=false"]
-    command += ["--checkpoint.every=1", "--parallel.stall_timeout_s=30"]
-    job = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    job = long_run.start(run, [*head, "--master_port", port], "--parallel.stall_timeout_s=30")
     below: list[psutil.Process] = []
     try:
-        first = run / "checkpoints" / "rl-000001" / "COMPLETE"
-        give_up = time.monotonic() + RUN_HANG_S
-        while not first.exists():
-            assert job.poll() is None, job.stderr.read()[-3000:]
-            assert time.monotonic() < give_up, "no RL checkpoint"
-            time.sleep(0.05)
+        long_run.until_checkpoint(job, run, "rl-000001")
         below = psutil.Process(job.pid).children(recursive=True)
         ranks = psutil.Process(job.pid).children()
         (rank1,) = [p for p in ranks if p.environ().get("RANK") == "1"]
