@@ -5,19 +5,19 @@ threads) leaves every other rank waiting in its next collective, where the proce
 timeout (30 minutes) would end the run with an error naming a rank that waits, not the one that
 hangs; a one-process run would hang for good.
 
-So each rank says what it is doing: `phase` names the work (an RL step's rollout), `mark`
-counts a piece of it done (an engine's completion, a micro-batch, a parameter gathered), and
-`waiting` brackets a wait for the other ranks on purpose (`parallel`'s collectives, the
-bridge's receives). A `Watchdog` thread on each rank publishes that with a heartbeat to the
+So each rank says what it is doing: `phase` names the work (an RL step's rollout), `mark` counts
+a piece of it done (an engine's completion, a micro-batch, a parameter gathered), and `waiting`
+brackets a wait for the other ranks on purpose (`parallel`'s collectives, an inference rank's
+wait for RL to begin). A `Watchdog` thread on each rank publishes that with a heartbeat to the
 launch's store, reads every rank's, and times each change it sees on its own clock (nodes'
 clocks need not agree). While any rank marks progress the run goes on: one rank's long phase
-with the others waiting for it is no stall as long as it marks its work. When no rank has
-marked for `parallel.stall_timeout_s`, the run is stalled: the first rank to see it logs one
-line saying which ranks wait and in what, and which do not (no heartbeat: a process stopped or
-gone; a heartbeat but no progress: stuck inside its work), and each rank stops itself. A rank
-whose main thread can run Python is sent SIGTERM and unwinds with its cleanup (`stops`); one
-blocked where no handler runs (in a collective, or still there after a grace) sends its child
-processes SIGTERM and exits, 128 + SIGTERM as a SIGTERM's stop would.
+with the others waiting for it is no stall as long as it marks its work. When no rank has marked
+for `parallel.stall_timeout_s`, the run is stalled: the first rank to see it logs one line
+saying which ranks wait and in what, and which do not (no heartbeat: a process stopped or gone;
+a heartbeat but no progress: stuck inside its work), and each rank stops itself. A rank whose
+main thread can run Python is sent SIGTERM and unwinds with its cleanup (`stops`); one blocked
+where no handler runs (in a collective, or still there after a grace) sends its child processes
+SIGTERM and exits, 128 + SIGTERM as a SIGTERM's stop would.
 
 No rank is quiet longer than the longest time a rank works without a mark (outside its waits),
 which the step rows log, as the largest over the ranks (`progress_gap_s`): the bound's margin
