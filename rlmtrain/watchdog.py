@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,9 +128,9 @@ class _Seen:
     """A rank as this one has seen it: its last report and when its heartbeat and its progress
     last changed, on this rank's clock."""
 
-    report: dict[str, Any] = field(default_factory=dict)
-    beat_at: float = 0.0
-    progress_at: float = 0.0
+    report: dict[str, Any]
+    beat_at: float
+    progress_at: float
 
 
 class Watchdog:

@@ -213,7 +213,10 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
         *(("sft", k) for k in range(4)),
         *(("rl", k) for k in range(2)),
     ]
+    for row in steps:  # the watched run's margin under parallel.stall_timeout_s, every step
+        assert 0 <= row["progress_gap_s"] < 600, row
     for row in steps[4:]:
+        assert 0 < row["rollout_s"] < row["seconds"], row
         assert len(row["generated_tokens_per_rank"]) == ranks
         assert min(row["generated_tokens_per_rank"]) > 0, row  # no engine idled
         # The synchronous loop trains every token under the weights that sampled it.

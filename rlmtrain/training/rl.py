@@ -34,7 +34,7 @@ from rlmtrain.rollout import dealing
 from rlmtrain.rollout.scheduler import Scheduler
 from rlmtrain.training.batches import task_batches
 from rlmtrain.training.materialise import sharded_like
-from rlmtrain.training.run import Run, mean_or_nan, watchdog_row
+from rlmtrain.training.run import Run, max_over_ranks, mean_or_nan
 from rlmtrain.training.split import RemoteRollouts, StepRollout, rollout_fields, step_sampling
 from rlmtrain.training.steps import DTYPES, grpo_step, pack_samples
 
@@ -182,9 +182,8 @@ async def rl_step(
         marks["sync"] = memory.figures(run.device)
     row.update(memory.step_row(marks))
     # The step waits for the slowest engine.
-    row["rollout_s"] = float(parallel.all_max(torch.tensor([row["rollout_s"]]))[0])
+    max_over_ranks(row, "rollout_s")
     row["seconds"] = time.perf_counter() - began
-    row.update(watchdog_row())
     run.runlog.step(row)
     run.runlog.samples("rl", step, groups, scores)
     run.runlog.histograms(

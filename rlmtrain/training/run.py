@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 import torch
@@ -230,14 +230,20 @@ def export(
     return out
 
 
-def watchdog_row() -> dict[str, float]:
-    """A step row's `progress_gap_s`: the longest any rank worked in the step without marking
-    progress, the margin under `parallel.stall_timeout_s` (none when the run is not watched).
-    A collective: every rank calls it."""
+def max_over_ranks(row: dict[str, Any], *keys: str) -> None:
+    """Sets each of `row`'s `keys` to its largest value on any rank, and adds `progress_gap_s`:
+    the longest any rank worked in the step without marking progress, the margin under
+    `parallel.stall_timeout_s` (absent when the run is not watched). One all_max for them all;
+    a collective: every rank calls it."""
+    names = list(keys)
+    values = [float(row[key]) for key in keys]
     gap = watchdog.longest_unmarked()
-    if gap is None:
-        return {}
-    return {"progress_gap_s": float(parallel.all_max(torch.tensor([gap], dtype=torch.float64))[0])}
+    if gap is not None:
+        names.append("progress_gap_s")
+        values.append(gap)
+    if names:
+        maxima = parallel.all_max(torch.tensor(values, dtype=torch.float64))
+        row.update(zip(names, maxima.tolist(), strict=True))
 
 
 def mean_or_nan(values) -> float:

@@ -23,7 +23,7 @@ from rlmtrain.model.tokenizer import Tokenizer
 from rlmtrain.optim import lr_at, set_lr
 from rlmtrain.rlm.records import failed_everywhere
 from rlmtrain.rollout.teaching import teach
-from rlmtrain.training.run import Run, mean_or_nan, watchdog_row
+from rlmtrain.training.run import Run, max_over_ranks, mean_or_nan
 from rlmtrain.training.steps import pack_samples, sft_step
 
 log = logging.getLogger("rlmtrain.train")
@@ -56,7 +56,7 @@ async def sft_phase(run: Run) -> None:
             await run.sync.release()
             row = sft_step(run.model, run.optimizer, packed, cfg, run.device, rank=world.rank)
             row.update(phase="sft", step=step, lr=lr, seconds=time.perf_counter() - began)
-            row.update(watchdog_row())
+            max_over_ranks(row)
             run.sync.stale()
             run.runlog.step(row)
             if run.due(step, steps):
