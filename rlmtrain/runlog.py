@@ -122,9 +122,12 @@ class RunLog:
         offset = 0 if phase == "sft" else self._cfg.train.sft_steps
         self._keep_until(offset + steps_taken)
 
-    def evaluated(self, phase: str) -> bool:
-        """Whether an evaluation of `phase` is on record (a resumed run does not redo it)."""
-        return any(report.get("phase") == phase for _, report in self._evals)
+    def evaluated(self, phase: str, step: int) -> bool:
+        """Whether the evaluation of `phase` at `step` is on record (a resumed run does not redo
+        it; a finished run given more steps has its end's evaluation at an earlier step)."""
+        return any(
+            report.get("phase") == phase and report.get("step") == step for _, report in self._evals
+        )
 
     def _keep_until(self, position: int | None) -> None:
         if not self._on:

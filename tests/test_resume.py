@@ -22,6 +22,7 @@ A checkpoint cut short, missing its completion mark or with a manifest that is n
 with one line, and so is a resume under other values of the keys the LR, exploration and
 tool-credit schedules follow, under another seed or into another model shape, and a new run
 started over an earlier run's checkpoints. A checkpoint written before RL's first update resumes.
+A finished run given more RL steps evaluates its new end, its first end's evaluation kept.
 """
 
 from __future__ import annotations
@@ -220,6 +221,36 @@ def test_a_finished_run_goes_on_for_the_rl_steps_asked_for(tmp_path, two_tasks, 
     assert "resumed from" in result.stderr and "sft-000001" in result.stderr
     steps = [row["step"] for row in rows(run) if row["phase"] == "rl"]
     assert steps == [0, 1]
+
+
+def test_a_finished_run_given_more_steps_evaluates_its_new_end(tmp_path, two_tasks):
+    from rlmtrain.envs.synth import synthesize
+
+    # Held-out tasks of their own (another paper group): a run on `two_tasks` alone has none.
+    synthesize(tmp_path / "eval", groups=1, seed=0, first_group=1, max_papers=2, progress=False)
+    run = tmp_path / "run"
+
+    def train(steps: int) -> None:
+        result = subprocess.run(
+            [
+                *launch(1, False),
+                *run_args(run, two_tasks, "--train.sft_steps=1", f"--train.steps={steps}"),
+                f"--data.eval_path={tmp_path / 'eval' / 'tasks.jsonl'}", "--eval.every=100",
+                "--eval.samples=2", "--train.warmup_steps=0",  # a warm-up cut short would differ
+                "--checkpoint.resume=true",
+            ],
+            cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    train(1)
+    train(2)
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    # The first end's evaluation stays on record; the new end has its own.
+    assert [(r["phase"], r["step"]) for r in evals if r["phase"] == "final"] == [
+        ("final", 2),
+        ("final", 3),
+    ]
 
 
 def test_more_rl_steps_are_refused_where_the_bonus_decays_over_them(tmp_path, two_tasks):

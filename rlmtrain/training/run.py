@@ -167,7 +167,7 @@ class Run:
     async def evaluate_once(self, phase: str, step: int) -> None:
         """`evaluate`, unless the run has this phase's evaluation on record (a resumed run).
         Rank 0 keeps the records; every rank must agree, as evaluation ends at a barrier."""
-        if not parallel.broadcast(self.runlog.evaluated(phase)):
+        if not parallel.broadcast(self.runlog.evaluated(phase, step)):
             await self.evaluate(phase, step)
 
     def checkpoint(
