@@ -257,8 +257,10 @@ class RunLog:
         header += ["spawn rate", "multi-paper spawn", "children/root", "tasks"]
         columns = ("spawn_rate", "spawn_rate_multi", "children_per_root", "tasks")
         lines = [header]
-        for position, report in self._evals:
-            cells = [self._stage(report), str(position), _cell(report.get("reward_mean"))]
+        finals = [i for i, (_, report) in enumerate(self._evals) if report["phase"] == "final"]
+        for i, (position, report) in enumerate(self._evals):
+            stage = self._stage(report, superseded=i in finals[:-1])
+            cells = [stage, str(position), _cell(report.get("reward_mean"))]
             if with_pass:
                 own = report.get("pass_k", k)
                 cell = _cell(report.get("pass_at_k"))
@@ -325,9 +327,11 @@ class RunLog:
         if self._wandb is not None and scalars:
             self._wandb.log(scalars, step=position)
 
-    def _stage(self, report: dict[str, Any]) -> str:
+    def _stage(self, report: dict[str, Any], superseded: bool) -> str:
+        """A report's row name; a `superseded` end is one a finished run given more RL steps
+        went on from, a mid-run evaluation now."""
         phase = report["phase"]
-        if phase == "rl":
+        if phase == "rl" or superseded:
             return f"RL step {report.get('step', '?')}"
         if phase == "final":
             return "after RL" if self._cfg.train.steps else "final"

@@ -230,7 +230,7 @@ def test_a_finished_run_given_more_steps_evaluates_its_new_end(tmp_path, two_tas
     synthesize(tmp_path / "eval", groups=1, seed=0, first_group=1, max_papers=2, progress=False)
     run = tmp_path / "run"
 
-    def train(steps: int) -> None:
+    def train(steps: int) -> str:
         result = subprocess.run(
             [
                 *launch(1, False),
@@ -242,15 +242,19 @@ def test_a_finished_run_given_more_steps_evaluates_its_new_end(tmp_path, two_tas
             cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
+        return result.stderr
 
     train(1)
-    train(2)
+    table = train(2).splitlines()
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     # The first end's evaluation stays on record; the new end has its own.
     assert [(r["phase"], r["step"]) for r in evals if r["phase"] == "final"] == [
         ("final", 2),
         ("final", 3),
     ]
+    # The closing table names the first end by its step and the new one as the end.
+    stages = [line.split("  ")[0] for line in table if line.startswith(("RL step", "after RL"))]
+    assert stages == ["RL step 2", "after RL"], table[-6:]
 
 
 def test_more_rl_steps_are_refused_where_the_bonus_decays_over_them(tmp_path, two_tasks):

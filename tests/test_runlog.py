@@ -344,6 +344,15 @@ def test_summary_table_rows_in_order_and_aligned(tmp_path):
     assert set(rule) == {"-", " "}
 
 
+def test_summary_table_names_an_end_a_run_went_on_from_by_its_step(tmp_path):
+    run = RunLog(make_config(tmp_path), tmp_path)
+    run.eval(eval_report("sft", 3, 0.25))
+    run.eval(eval_report("final", 5, 0.5))  # a finished run, then given more RL steps
+    run.eval(eval_report("final", 7, 0.625))
+    stages = [row.split("  ")[0].strip() for row in run.summary_table().splitlines()[2:]]
+    assert stages == ["after SFT", "RL step 5", "after RL"]
+
+
 def test_summary_table_names_the_reports_k(tmp_path):
     run = RunLog(make_config(tmp_path), tmp_path)
     run.eval(eval_report("final", 0, 0.5, pass_at_k=0.75, pass_k=4))
