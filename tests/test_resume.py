@@ -209,14 +209,7 @@ def test_a_resume_under_other_schedules_is_refused_in_one_line(tmp_path, two_tas
 def test_a_finished_run_goes_on_for_the_rl_steps_asked_for(tmp_path, two_tasks, one_step_run):
     # Its RL rate is constant and it has no exploration bonus: nothing depends on train.steps.
     run = _one_checkpoint(tmp_path, one_step_run)
-    result = subprocess.run(
-        [
-            *launch(1, False),
-            *run_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=2"),
-            "--checkpoint.resume=true",
-        ],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
-    )  # fmt: skip
+    result = _train(run, two_tasks, "--train.steps=2", "--checkpoint.resume=true")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stderr and "sft-000001" in result.stderr
     steps = [row["step"] for row in rows(run) if row["phase"] == "rl"]
@@ -231,15 +224,11 @@ def test_a_finished_run_given_more_steps_evaluates_its_new_end(tmp_path, two_tas
     run = tmp_path / "run"
 
     def train(steps: int) -> str:
-        result = subprocess.run(
-            [
-                *launch(1, False),
-                *run_args(run, two_tasks, "--train.sft_steps=1", f"--train.steps={steps}"),
-                f"--data.eval_path={tmp_path / 'eval' / 'tasks.jsonl'}", "--eval.every=100",
-                "--eval.samples=2", "--train.warmup_steps=0",  # a warm-up cut short would differ
-                "--checkpoint.resume=true",
-            ],
-            cwd=ROOT, capture_output=True, text=True, timeout=RUN_HANG_S, env=env(),
+        result = _train(
+            run, two_tasks, f"--train.steps={steps}",
+            f"--data.eval_path={tmp_path / 'eval' / 'tasks.jsonl'}", "--eval.every=100",
+            "--eval.samples=2", "--train.warmup_steps=0",  # a warm-up cut short would differ
+            "--checkpoint.resume=true",
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stderr
@@ -274,6 +263,8 @@ def _refusal(result: subprocess.CompletedProcess) -> str:
 
 
 def _train(run: Path, two_tasks: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A run of one SFT step and no RL on the two tasks, `extra` overriding (the last of a
+    key given twice wins)."""
     return subprocess.run(
         [*launch(1, False), *run_args(run, two_tasks, "--train.sft_steps=1", "--train.steps=0"),
          *extra],
