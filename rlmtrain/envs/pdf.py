@@ -36,11 +36,11 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import msgspec
 
+from rlmtrain.envs.pool import process_pool
 from rlmtrain.errors import UserError
 from rlmtrain.rlm.records import write_jsonl
 
@@ -331,7 +331,7 @@ def ingest_files(
                 bar.update()
         else:
             chunk = max(1, len(paths) // (workers * 8))
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            with process_pool(workers) as pool:
                 for result in pool.map(_parse_or_skip, paths, chunksize=chunk):
                     results.append(result)
                     bar.update()

@@ -33,13 +33,13 @@ import os
 import random
 import re
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import msgspec
 
 from rlmtrain.envs.evidence_tasks import EvidenceSpan, EvidenceTask
 from rlmtrain.envs.pdf import Paper, parse_pdf, write_corpus
+from rlmtrain.envs.pool import process_pool
 from rlmtrain.envs.synth_papers import paper_group
 from rlmtrain.envs.synth_render import render
 
@@ -171,7 +171,7 @@ def synthesize(
                 results.append(_make_group(job))
                 bar.update()
         else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            with process_pool(workers) as pool:
                 for result in pool.map(
                     _make_group, jobs, chunksize=max(1, groups // (workers * 8))
                 ):
