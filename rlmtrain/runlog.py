@@ -28,7 +28,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgspec
 import torch
@@ -36,6 +36,9 @@ import torch
 from rlmtrain.config import Config, ConfigError
 from rlmtrain.rlm.records import RolloutGroup, Trajectory
 from rlmtrain.run_folder import RunFolder
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["HAS_TENSORBOARD", "HAS_WANDB", "RunLog"]
 
@@ -257,9 +260,7 @@ class RunLog:
         header += ["spawn rate", "multi-paper spawn", "children/root", "tasks"]
         columns = ("spawn_rate", "spawn_rate_multi", "children_per_root", "tasks")
         lines = [header]
-        finals = [i for i, (_, report) in enumerate(self._evals) if report["phase"] == "final"]
-        for i, (position, report) in enumerate(self._evals):
-            stage = self._stage(report, superseded=i in finals[:-1])
+        for (stage, _), (position, report) in zip(self._stages(), self._evals, strict=True):
             cells = [stage, str(position), _cell(report.get("reward_mean"))]
             if with_pass:
                 own = report.get("pass_k", k)
@@ -294,7 +295,14 @@ class RunLog:
         for f in (self._metrics, self._eval_file, self._samples_file):
             f.close()
         if self._cfg.logging.plot:
-            _plot(self._curves, self._sft_loss, self._rl_reward, self._evals)
+            # A mid-run evaluation's point goes unnamed: the axis gives its step.
+            evals = [
+                (position, report, None if mid_run else stage)
+                for (position, report), (stage, mid_run) in zip(
+                    self._evals, self._stages(), strict=True
+                )
+            ]
+            _figure(self._sft_loss, self._rl_reward, evals).savefig(self._curves, dpi=100)
 
     def __enter__(self) -> RunLog:
         return self
@@ -327,15 +335,20 @@ class RunLog:
         if self._wandb is not None and scalars:
             self._wandb.log(scalars, step=position)
 
-    def _stage(self, report: dict[str, Any], superseded: bool) -> str:
-        """A report's row name; a `superseded` end is one a finished run given more RL steps
-        went on from, a mid-run evaluation now."""
-        phase = report["phase"]
-        if phase == "rl" or superseded:
-            return f"RL step {report.get('step', '?')}"
-        if phase == "final":
-            return "after RL" if self._cfg.train.steps else "final"
-        return {"init": "init", "sft": "after SFT"}[phase]
+    def _stages(self) -> list[tuple[str, bool]]:
+        """Each evaluation's name, and whether it was made mid-run: at an RL step, or at an end
+        that a finished run given more RL steps went on from (named by its step, then)."""
+        finals = [i for i, (_, report) in enumerate(self._evals) if report["phase"] == "final"]
+        out = []
+        for i, (_, report) in enumerate(self._evals):
+            phase = report["phase"]
+            if phase == "rl" or i in finals[:-1]:
+                out.append((f"RL step {report.get('step', '?')}", True))
+            elif phase == "final":
+                out.append(("after RL" if self._cfg.train.steps else "final", False))
+            else:
+                out.append(({"init": "init", "sft": "after SFT"}[phase], False))
+        return out
 
 
 class _JsonLines:
@@ -433,14 +446,13 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _plot(
-    path: Path,
+def _figure(
     sft_loss: list[tuple[int, float]],
     rl_reward: list[tuple[int, float]],
-    evals: list[tuple[int, dict[str, Any]]],
-) -> None:
+    evals: list[tuple[int, dict[str, Any], str | None]],
+) -> Figure:
     """Two panels over the global step: training curves (RL reward, SFT loss on its own axis),
-    then every evaluation's held-out reward and spawn rate, each point labelled by its phase."""
+    then every evaluation's held-out reward and spawn rate, each point with its name, if any."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 7), layout="constrained")
@@ -465,16 +477,16 @@ def _plot(
     train_ax.set_title("training")
 
     if evals:
-        xs = [position for position, _ in evals]
+        xs = [position for position, _, _ in evals]
         for key, label in (("reward_mean", "held-out reward_mean"), ("spawn_rate", "spawn rate")):
-            ys = [_float(report.get(key)) for _, report in evals]
+            ys = [_float(report.get(key)) for _, report, _ in evals]
             eval_ax.plot(xs, ys, "o-", label=label)
-        for position, report in evals:
+        for position, report, name in evals:
             y = _float(report.get("reward_mean"))
-            if math.isnan(y):
+            if name is None or math.isnan(y):
                 continue
             eval_ax.annotate(
-                report["phase"],
+                name,
                 (position, y),
                 textcoords="offset points",
                 xytext=(0, 6),
@@ -488,7 +500,7 @@ def _plot(
         )
     eval_ax.set_title("held-out evaluation")
     eval_ax.set_xlabel("global step (optimizer steps taken)")
-    fig.savefig(path, dpi=100)
+    return fig
 
 
 def _float(value: Any) -> float:

@@ -307,6 +307,26 @@ def test_curves_png_when_phases_are_missing(tmp_path, what):
     assert (tmp_path / "curves.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+def test_curves_name_the_ends_a_mid_run_point_goes_unnamed(tmp_path, monkeypatch):
+    figures = []
+
+    def kept(*args):
+        figures.append(real(*args))
+        return figures[-1]
+
+    real = runlog._figure
+    monkeypatch.setattr(runlog, "_figure", kept)
+    with RunLog(make_config(tmp_path, plot=True), tmp_path) as run:
+        run.eval(eval_report("init", 0, 0.1))
+        run.eval(eval_report("sft", 3, 0.2))
+        run.eval(eval_report("rl", 2, 0.3))
+        run.eval(eval_report("final", 4, 0.4))  # a finished run, then given more RL steps
+        run.eval(eval_report("final", 6, 0.5))
+    (fig,) = figures
+    (eval_ax,) = [ax for ax in fig.axes if ax.get_title() == "held-out evaluation"]
+    assert [text.get_text() for text in eval_ax.texts] == ["init", "after SFT", "after RL"]
+
+
 def test_plot_off_writes_no_png(tmp_path):
     with RunLog(make_config(tmp_path, plot=False), tmp_path) as run:
         run.step(sft_row(0, 1.0))
