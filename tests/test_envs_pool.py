@@ -1,5 +1,6 @@
-"""The PDF pools' workers start clean: a caller's gloo process group, left as garbage, is not
-theirs to free (in a fork of the caller, freeing it joins threads the child does not have)."""
+"""The PDF pools' workers: a caller's gloo process group, left as garbage, is not theirs to free
+(in a fork of the caller, freeing it joins threads the child does not have), and a script that
+starts a pool needs no main guard."""
 
 from __future__ import annotations
 
@@ -60,3 +61,22 @@ def test_a_pool_never_frees_its_callers_garbage(tmp_path, pool):
         pytest.fail(f"the {pool} pool hung on its caller's garbage")
     assert caller.returncode == 0, err[-2000:]
     assert out.startswith("papers "), out
+
+
+def test_a_script_without_a_main_guard_can_use_the_pool(tmp_path):
+    # Workers that start a fresh interpreter import the caller's main module again, and this
+    # one would start its pool again from each of them.
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\n"
+        "from rlmtrain.envs.synth import synthesize\n"
+        "print('papers', synthesize(sys.argv[1], groups=2, seed=0, workers=2).papers)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("papers "), done.stdout
