@@ -216,7 +216,9 @@ def test_launched_training_runs_to_the_end(tmp_path, launch):
     for row in steps:  # the watched run's margin under parallel.stall_timeout_s, every step
         assert 0 <= row["progress_gap_s"] < 600, row
     for row in steps[4:]:
-        assert 0 < row["rollout_s"] < row["seconds"], row
+        # The slowest rank's rollout: it may have begun before rank 0's step did, so it is not
+        # bounded by rank 0's `seconds`.
+        assert row["rollout_s"] > 0, row
         assert len(row["generated_tokens_per_rank"]) == ranks
         assert min(row["generated_tokens_per_rank"]) > 0, row  # no engine idled
         # The synchronous loop trains every token under the weights that sampled it.
