@@ -40,7 +40,7 @@ from pathlib import Path
 
 import msgspec
 
-from rlmtrain.envs.pool import process_pool
+from rlmtrain.envs.pool import map_in_processes
 from rlmtrain.errors import UserError
 from rlmtrain.rlm.records import write_jsonl
 
@@ -321,20 +321,9 @@ def ingest_files(
     from tqdm import tqdm
 
     paths = [str(p) for p in paths]
-    workers = min(workers or os.cpu_count() or 1, max(1, len(paths)))
     bar = tqdm(total=len(paths), desc="ingest", unit="pdf", file=sys.stderr, disable=not progress)
-    results: list[Paper | SkippedFile] = []
     with bar:
-        if workers == 1:
-            for path in paths:
-                results.append(_parse_or_skip(path))
-                bar.update()
-        else:
-            chunk = max(1, len(paths) // (workers * 8))
-            with process_pool(workers) as pool:
-                for result in pool.map(_parse_or_skip, paths, chunksize=chunk):
-                    results.append(result)
-                    bar.update()
+        results = map_in_processes(_parse_or_skip, paths, workers, bar.update)
     papers = [r for r in results if isinstance(r, Paper)]
     skipped = [r for r in results if isinstance(r, SkippedFile)]
     return papers, skipped

@@ -29,7 +29,6 @@ queries do not depend on the worker that made them; PDFs carry a fixed creation 
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import sys
@@ -39,7 +38,7 @@ import msgspec
 
 from rlmtrain.envs.evidence_tasks import EvidenceSpan, EvidenceTask
 from rlmtrain.envs.pdf import Paper, parse_pdf, write_corpus
-from rlmtrain.envs.pool import process_pool
+from rlmtrain.envs.pool import map_in_processes
 from rlmtrain.envs.synth_papers import paper_group
 from rlmtrain.envs.synth_render import render
 
@@ -162,21 +161,9 @@ def synthesize(
     pdf_dir = out_dir / "pdfs"
     pdf_dir.mkdir(parents=True, exist_ok=True)
     jobs = [(seed, g, str(pdf_dir), max_papers) for g in range(first_group, first_group + groups)]
-    workers = min(workers or os.cpu_count() or 1, groups)
     bar = tqdm(total=groups, desc="synth", unit="group", file=sys.stderr, disable=not progress)
-    results: list[_GroupResult] = []
     with bar:
-        if workers == 1:
-            for job in jobs:
-                results.append(_make_group(job))
-                bar.update()
-        else:
-            with process_pool(workers) as pool:
-                for result in pool.map(
-                    _make_group, jobs, chunksize=max(1, groups // (workers * 8))
-                ):
-                    results.append(result)
-                    bar.update()
+        results = map_in_processes(_make_group, jobs, workers, bar.update)
     papers = [p for r in results for p in r.papers]
     tasks = [t for r in results for t in r.tasks]
     # A synthesis of other groups into this folder before left its PDFs; they would join any
