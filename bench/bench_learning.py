@@ -4,8 +4,9 @@ pretrained model on two, as a user runs them.
 Each seed of the default runs `rlmtrain train --config configs/tiny-cpu.toml` in a subprocess (its
 own run folder, `train.seed` and `model.seed` set to the seed; the data stay those of the config)
 and reads the held-out evaluations the run appended to `eval.jsonl`: reward at random init, after
-SFT and after RL, the RL gain (after RL - after SFT), the spawn rate on multi-paper tasks after RL
-and the final reward per query kind, then the median and the worst seed of each figure. The figures
+SFT and after RL, the RL gain (after RL - after SFT, ± its standard error paired by task), the
+spawn rate on multi-paper tasks after RL and the final reward per query kind, then the median
+and the worst seed of each figure. The figures
 are printed and stored in `extra_info`; the targets (on every seed: RL gain >= 0.15, after SFT >=
 init + 0.2, multi-paper spawn rate after RL >= 0.8) are printed beside them, not asserted: this is a
 measurement. `configs/codenav-cpu.toml` runs on seeds 0-2 (target on every seed: after RL >= after
@@ -22,6 +23,7 @@ seed).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -29,6 +31,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from rlmtrain.runlog import paired_gain
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = (0, 1, 2, 3, 4)
@@ -67,13 +71,16 @@ def _run(seed: int, run_dir: Path, config: str = "configs/tiny-cpu.toml", *overr
 
 
 def _curve(phases: dict[str, dict]) -> dict[str, float]:
-    """Held-out reward at init, after SFT and after RL, the two gains and the run's seconds."""
+    """Held-out reward at init, after SFT and after RL, the two gains, the RL gain's standard
+    error paired by task (the closing table's, `runlog.paired_gain`) and the run's seconds."""
     init, sft, final = (phases[p]["reward_mean"] for p in ("init", "sft", "final"))
+    paired = paired_gain(phases["sft"], phases["final"])
     return {
         "init": init,
         "sft": sft,
         "rl": final,
         "rl_gain": final - sft,
+        "rl_gain_se": math.nan if paired is None else paired[1],
         "sft_gain": sft - init,
         "wall_s": phases["wall_s"]["seconds"],
     }
@@ -104,12 +111,12 @@ def test_default_learns_on_every_seed(benchmark, tmp_path):
 
     benchmark.pedantic(all_seeds, rounds=1, iterations=1)
     print("\nheld-out reward (span F1) of the default, per seed")
-    print("seed    init  after SFT  after RL  RL gain  spawn rate (multi-paper)  wall s")
+    print("seed    init  after SFT  after RL  RL gain ± s.e.  spawn rate (multi-paper)  wall s")
     for seed, r in results.items():
         print(
             f"{seed:>6}  {r['init']:.3f}      {r['sft']:.3f}     {r['rl']:.3f}   "
-            f"{r['rl_gain']:+.3f}       {r['spawn_rate_rl']:.2f}                    "
-            f"{r['wall_s']:6.0f}"
+            f"{r['rl_gain']:+.3f} ± {r['rl_gain_se']:.3f}  {r['spawn_rate_rl']:.2f}"
+            f"                      {r['wall_s']:6.0f}"
         )
         kinds = " ".join(
             f"{key.removeprefix('rl_kind_')}={value:.3f}"
@@ -122,8 +129,8 @@ def test_default_learns_on_every_seed(benchmark, tmp_path):
     for label, index in (("median", 0), ("worst", 1)):
         init, sft, rl, gain, spawn, wall = (summary[key][index] for key in keys)
         print(
-            f"{label:>6}  {init:.3f}      {sft:.3f}     {rl:.3f}   {gain:+.3f}       "
-            f"{spawn:.2f}                    {wall:6.0f}"
+            f"{label:>6}  {init:.3f}      {sft:.3f}     {rl:.3f}   {gain:+.3f}          "
+            f"{spawn:.2f}                      {wall:6.0f}"
         )
     worst_sft_gain = min(r["sft_gain"] for r in results.values())
     print(
@@ -148,12 +155,12 @@ def _codenav_row(phases: dict[str, dict]) -> dict[str, float]:
 
 
 def _print_codenav(results: dict, label: str) -> None:
-    print(f"{label:>12}  init  after SFT  after RL  RL gain  pass@k  tool calls  wall s")
+    print(f"{label:>12}  init  after SFT  after RL  RL gain ± s.e.  pass@k  tool calls  wall s")
     for key, r in results.items():
         print(
             f"{key:>12}  {r['init']:.3f}  {r['sft']:.3f}      {r['rl']:.3f}     "
-            f"{r['rl_gain']:+.3f}   {r['pass_at_k_rl']:.3f}   {r['tool_calls_rl']:5.2f}       "
-            f"{r['wall_s']:6.0f}"
+            f"{r['rl_gain']:+.3f} ± {r['rl_gain_se']:.3f}  {r['pass_at_k_rl']:.3f}   "
+            f"{r['tool_calls_rl']:5.2f}       {r['wall_s']:6.0f}"
         )
 
 
@@ -234,10 +241,13 @@ def test_smollm2_learns(benchmark, tmp_path, smollm2_folder, seed):
     benchmark.pedantic(run, rounds=1, iterations=1)
     r = results
     print(f"\nheld-out reward (span F1) of configs/smollm2-cpu.toml, seed {seed}")
-    print("zero-shot  after SFT  after RL  SFT gain  RL gain  pass@k  spawn rate (multi)  wall s")
+    print(
+        "zero-shot  after SFT  after RL  SFT gain  RL gain ± s.e.  pass@k  spawn rate (multi)"
+        "  wall s"
+    )
     print(
         f"    {r['init']:.3f}      {r['sft']:.3f}     {r['rl']:.3f}    {r['sft_gain']:+.3f}   "
-        f"{r['rl_gain']:+.3f}   {r['pass_at_k_rl']:.3f}   "
+        f"{r['rl_gain']:+.3f} ± {r['rl_gain_se']:.3f}  {r['pass_at_k_rl']:.3f}   "
         f"{r['spawn_rate_sft']:.2f} -> {r['spawn_rate_rl']:.2f}          {r['wall_s']:6.0f}"
     )
     print(

@@ -20,11 +20,16 @@ Choices: pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large
 Trained on Code", eq. 1) over each task's scored roots, with "pass" = score >= `pass_threshold`
 (0.5 by default: the rewards here are continuous, span F1 or a judge score in [0, 1]). A root the
 reward could not score (None) is left out of the means and of pass@k and counted in `unscored`,
-never read as 0. `reward_by_kind` is the mean root score per query family (a task's `kind`,
-e.g. the evidence env's datasets / baselines / results / limitation): a policy that has learnt
-three families and not the fourth shows it here, where the overall mean hides it. Metrics that
-do not apply (span F1 without gold evidence, spawn rate over multi-paper tasks when there are
-none, per-kind means when no task has a kind) are None, not 0.
+never read as 0. `reward_stderr` is the held-out reward's sampling error: the tasks are the
+sample (each task's scored roots averaged first, as the roots of one task are not independent
+draws), so it counts both the trees a task happened to sample and which tasks were held out;
+`task_rewards` keeps each task's mean by id, so two reports of one task set can be compared task
+by task (the closing table's paired gains, `RunLog.summary_table`). `reward_by_kind` is the
+mean root score per query family (a task's `kind`, e.g. the evidence env's datasets /
+baselines / results / limitation): a policy that has learnt three families and not the fourth
+shows it here, where the overall mean hides it. Metrics that do not apply (span F1 without gold
+evidence, spawn rate over multi-paper tasks when there are none, per-kind means when no task
+has a kind) are None, not 0.
 
 Per method. Tool use, BookNavigator's measure of whether RL kept the model using its tools:
 `tool_calls_per_trajectory` counts calls of the env's own tools (`Env.tool_names`) per
@@ -38,6 +43,7 @@ share of those tools each used at least once. The step rubric of LongTraceRL
 from __future__ import annotations
 
 import math
+import statistics
 import time
 import zlib
 from array import array
@@ -65,6 +71,7 @@ __all__ = [
     "format_report",
     "pass_at_k",
     "spawned",
+    "standard_error",
     "summarize",
 ]
 
@@ -113,6 +120,8 @@ def summarize(
     unscored = 0
     task_pass: list[float] = []
     task_pass_1: list[float] = []
+    task_means: list[float] = []
+    task_rewards: dict[str, float] = {}
     span_scores: list[float] = []
     spawned_multi: list[bool] = []
     kind_scores: dict[str, list[float]] = {}
@@ -134,6 +143,8 @@ def summarize(
             passed = sum(v >= pass_threshold for v in scored)
             task_pass.append(pass_at_k(len(scored), passed, min(samples, len(scored))))
             task_pass_1.append(passed / len(scored))
+            task_means.append(sum(scored) / len(scored))
+            task_rewards[_task_id(task)] = task_means[-1]
         evidence = getattr(task, "evidence", None)
         if evidence is not None:
             from rlmtrain.rewards.span_f1 import span_f1
@@ -160,6 +171,8 @@ def summarize(
         "samples": samples,
         "roots": len(roots),
         "reward_mean": _mean(root_scores),
+        "reward_stderr": standard_error(task_means),
+        "task_rewards": task_rewards,
         "reward_by_kind": (
             {kind: _mean(kind_scores[kind]) for kind in sorted(kind_scores)}
             if kind_scores
@@ -245,6 +258,14 @@ def sample_digest(groups: Sequence[RolloutGroup]) -> str:
 
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def standard_error(values: Sequence[float]) -> float | None:
+    """The standard error of `values`' mean (sample deviation over the square root of the
+    count); None under two values, where it is not defined."""
+    if len(values) < 2:
+        return None
+    return statistics.stdev(values) / math.sqrt(len(values))
 
 
 def _task_id(task: Any) -> str:
@@ -384,7 +405,12 @@ def format_report(report: dict[str, Any]) -> str:
     """The report as an aligned two-column table (None shows as '-')."""
     k, threshold = report["pass_k"], report["pass_threshold"]
     rows = [
-        ("reward mean", _num(report["reward_mean"]) + f"  ({report['unscored']} unscored)"),
+        (
+            "reward mean",
+            _num(report["reward_mean"])
+            + _plus_minus(report.get("reward_stderr"))
+            + f"  ({report['unscored']} unscored)",
+        ),
         ("reward by query kind", _by_kind(report["reward_by_kind"])),
         (f"pass@{k} (score >= {threshold:g})", _num(report["pass_at_k"])),
         (f"pass@1 (score >= {threshold:g})", _num(report["pass_at_1"])),
@@ -419,6 +445,10 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _num(value: float | None, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _plus_minus(stderr: float | None) -> str:
+    return "" if stderr is None else f" ± {stderr:.4f} (standard error over tasks)"
 
 
 def _percent(value: float | None) -> str:

@@ -22,9 +22,11 @@ object API (`Figure`, no pyplot), which needs no display and leaves the global b
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 import math
 import os
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +42,7 @@ from rlmtrain.run_folder import RunFolder
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["HAS_TENSORBOARD", "HAS_WANDB", "RunLog"]
+__all__ = ["HAS_TENSORBOARD", "HAS_WANDB", "RunLog", "paired_gain"]
 
 log = logging.getLogger("rlmtrain.runlog")
 
@@ -49,7 +51,7 @@ HAS_WANDB: bool = importlib.util.find_spec("wandb") is not None
 
 _STEP_PHASES = ("sft", "rl")
 _EVAL_PHASES = ("init", "sft", "rl", "final")
-_NOT_SCALARS = ("phase", "step")
+_NOT_SCALARS = ("phase", "step", "task_rewards")
 
 
 def check_wandb(cfg: Config) -> None:
@@ -249,7 +251,9 @@ class RunLog:
     def summary_table(self) -> str:
         """The evaluations as an aligned plain-text table, in the order they ran; '' if none.
         The pass@k header takes k from the last report's "pass_k", else `eval.samples`; a row
-        sampled with another k (`eval.init_samples`) names its own, as in "0.000 @1"."""
+        sampled with another k (`eval.init_samples`) names its own, as in "0.000 @1". A reward
+        shows its standard error over tasks ("0.707 ± 0.041") where the report has one, and
+        lines under the table give the gains from one named stage to the next (`_paired_gains`)."""
         if not self._evals:
             return ""
         with_pass = any("pass_at_k" in report for _, report in self._evals)
@@ -261,7 +265,7 @@ class RunLog:
         columns = ("spawn_rate", "spawn_rate_multi", "children_per_root", "tasks")
         lines = [header]
         for (stage, _), (position, report) in zip(self._stages(), self._evals, strict=True):
-            cells = [stage, str(position), _cell(report.get("reward_mean"))]
+            cells = [stage, str(position), _reward_cell(report)]
             if with_pass:
                 own = report.get("pass_k", k)
                 cell = _cell(report.get("pass_at_k"))
@@ -277,7 +281,30 @@ class RunLog:
             for line in lines
         ]
         rows.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(rows)
+        return "\n".join(rows + self._paired_gains())
+
+    def _paired_gains(self) -> list[str]:
+        """A line per two named evaluations in a row (init -> after SFT -> after RL): the mean
+        of the per-task differences over the tasks both scored, and its standard error. Paired,
+        the error leaves out how hard each task is, which both evaluations share, and keeps
+        the trees' sampling noise and how the gain varies over tasks: a gain more than two errors
+        above zero is unlikely to be the draw's. A report without per-task means (an older
+        eval.jsonl) is left out."""
+        named = [
+            (stage, report)
+            for (stage, mid_run), (_, report) in zip(self._stages(), self._evals, strict=True)
+            if not mid_run and report.get("task_rewards")
+        ]
+        lines = []
+        for (before, earlier), (after, later) in itertools.pairwise(named):
+            paired = paired_gain(earlier, later)
+            if paired is not None:
+                gain, stderr, tasks = paired
+                lines.append(
+                    f"{before} -> {after}: {gain:+.3f} ± {stderr:.3f} (mean per-task difference "
+                    f"over the {tasks} tasks both scored ± its standard error)"
+                )
+        return lines
 
     # ------------------------------------------------------------------ end
 
@@ -430,6 +457,25 @@ def _decoded(t: Trajectory) -> dict[str, Any]:
             {"code": turn.code, "output": turn.output, "error": turn.error} for turn in t.turns
         ],
     }
+
+
+def paired_gain(earlier: dict[str, Any], later: dict[str, Any]) -> tuple[float, float, int] | None:
+    """From one evaluation report to a later one: the mean of their per-task differences
+    ("task_rewards") over the tasks both scored, its standard error, and the count of those
+    tasks; None under two such tasks (or a report without per-task means)."""
+    before, after = earlier.get("task_rewards") or {}, later.get("task_rewards") or {}
+    differences = [after[task] - before[task] for task in sorted(before.keys() & after.keys())]
+    if len(differences) < 2:
+        return None
+    stderr = statistics.stdev(differences) / math.sqrt(len(differences))
+    return sum(differences) / len(differences), stderr, len(differences)
+
+
+def _reward_cell(report: dict[str, Any]) -> str:
+    """The held-out reward, with its standard error over tasks where the report has one."""
+    cell = _cell(report.get("reward_mean"))
+    stderr = report.get("reward_stderr")
+    return cell if stderr is None else f"{cell} ± {stderr:.3f}"
 
 
 def _cell(value: Any) -> str:

@@ -154,6 +154,9 @@ def test_summarize_hand_built_groups() -> None:
         "samples": 2,
         "roots": 4,
         "reward_mean": pytest.approx((0.4 + 0.0 + 0.8) / 3),  # the None is not a 0
+        # Over the tasks' means, 0.2 and 0.8: their sample deviation over the root of two.
+        "reward_stderr": pytest.approx(math.sqrt(0.18) / math.sqrt(2)),
+        "task_rewards": {"one": pytest.approx(0.2), "two": 0.8},
         "reward_by_kind": {"datasets": pytest.approx(0.2), "results": 0.8},
         "unscored": 1,
         "pass_k": 2,
@@ -217,6 +220,7 @@ def test_summarize_threshold_and_missing_metrics() -> None:
     assert report["pass_threshold"] == 0.3
     text = format_report({"phase": "eval", "step": 3, **report})
     assert "pass@2 (score >= 0.3)" in text and "1.0000" in text
+    assert "0.4000 ± 0.3000 (standard error over tasks)" in text
     assert "final=2 max_turns=1 timeout=1" in text
     assert "datasets=0.200 results=0.800" in text
 
@@ -226,6 +230,7 @@ def test_summarize_threshold_and_missing_metrics() -> None:
     assert report["span_f1"] is None and report["spawn_rate_multi"] is None
     assert report["reward_by_kind"] is None
     assert report["reward_mean"] is None and report["pass_at_k"] is None
+    assert report["reward_stderr"] is None and report["task_rewards"] == {}
     assert report["unscored"] == 4
     assert "-" in format_report(report)
 

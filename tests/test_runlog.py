@@ -389,6 +389,40 @@ def test_summary_table_names_a_rows_own_k_where_it_differs(tmp_path):
     assert final.split()[3:5] == ["0.500", "0.750"] and "@" not in final
 
 
+def test_summary_table_gives_errors_and_the_gains_paired_by_task(tmp_path):
+    run = RunLog(make_config(tmp_path), tmp_path)
+    run.eval(eval_report("init", 0, 0.0, reward_stderr=0.0, task_rewards={"a": 0.0, "b": 0.0}))
+    sft = {"a": 0.5, "b": 0.25, "c": 1.0}  # "c" was not scored at init: left out of that pair
+    run.eval(eval_report("sft", 3, 0.625, reward_stderr=0.1875, task_rewards=sft))
+    mid = {"a": 0.0, "b": 0.0, "c": 0.0}  # a mid-run point is no stage of its own
+    run.eval(eval_report("rl", 2, 0.0, reward_stderr=0.0, task_rewards=mid))
+    run.eval(
+        eval_report(
+            "final", 4, 0.75, reward_stderr=0.125, task_rewards={"a": 1.0, "b": 0.5, "c": 0.75}
+        )
+    )
+    header, _, init, after_sft, _, after_rl, *gains = run.summary_table().splitlines()
+    assert init.split()[2:5] == ["0.000", "±", "0.000"]
+    assert after_sft.split()[3:6] == ["0.625", "±", "0.188"]  # "after SFT" is two words
+    assert after_rl.split()[3:6] == ["0.750", "±", "0.125"]
+    # init -> after SFT over a and b: differences 0.5 and 0.25, their mean 0.375, their sample
+    # deviation 0.1768 over the root of two; after SFT -> after RL: 0.5, 0.25, -0.25.
+    assert gains == [
+        "init -> after SFT: +0.375 ± 0.125 (mean per-task difference over the 2 tasks both "
+        "scored ± its standard error)",
+        "after SFT -> after RL: +0.167 ± 0.220 (mean per-task difference over the 3 tasks "
+        "both scored ± its standard error)",
+    ]
+
+
+def test_summary_table_pairs_no_report_without_per_task_rewards(tmp_path):
+    run = RunLog(make_config(tmp_path), tmp_path)
+    run.eval(eval_report("sft", 3, 0.5))  # an eval.jsonl written before reports kept them
+    run.eval(eval_report("final", 4, 0.75, reward_stderr=0.125, task_rewards={"a": 1.0, "b": 0.5}))
+    lines = run.summary_table().splitlines()
+    assert len(lines) == 4 and lines[2].split()[3] == "0.500" and "±" not in lines[2]
+
+
 def test_summary_table_without_pass_at_k_has_no_such_column(tmp_path):
     run = RunLog(make_config(tmp_path), tmp_path)
     run.eval(eval_report("init", 0, 0.5))
