@@ -71,7 +71,6 @@ __all__ = [
     "format_report",
     "pass_at_k",
     "spawned",
-    "standard_error",
     "summarize",
 ]
 
@@ -171,7 +170,7 @@ def summarize(
         "samples": samples,
         "roots": len(roots),
         "reward_mean": _mean(root_scores),
-        "reward_stderr": standard_error(task_means),
+        "reward_stderr": _standard_error(task_means),
         "task_rewards": task_rewards,
         "reward_by_kind": (
             {kind: _mean(kind_scores[kind]) for kind in sorted(kind_scores)}
@@ -260,7 +259,7 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def standard_error(values: Sequence[float]) -> float | None:
+def _standard_error(values: Sequence[float]) -> float | None:
     """The standard error of `values`' mean (sample deviation over the square root of the
     count); None under two values, where it is not defined."""
     if len(values) < 2:
